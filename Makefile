@@ -1,0 +1,43 @@
+# Two commands do all the set-up on a fresh Linux machine with Python 3.11:
+#   make run    executes every lesson headless and writes build/summary.csv
+#   make test   unit tests + strict nbval over lessons/ and labs/
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+# A pinned torch: a range would pull the newest (multi-GB CUDA) build on a fresh machine.
+# On a GPU machine: make TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lab release grade benchmarks clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+run: install
+	$(PY) -m utils.runner lessons --out build
+
+test: install
+	$(PY) -m pytest tests lessons labs --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300 -q
+
+lab: install
+	$(PY) -m jupyter lab
+
+release: install
+	$(PY) -m utils.release labs --out release
+
+grade: install
+	$(PY) -m utils.grade $(SUBMISSIONS) --out build/grades
+
+benchmarks: install
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf build release

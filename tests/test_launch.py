@@ -1,0 +1,407 @@
+"""utils.launch: results, output, failures, hangs, interrupts, cleanup, isolation, arguments."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+import utils
+
+# Ship this module's functions by value, exactly as functions defined in a notebook cell travel.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids, seconds=5.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def record_pid(folder):
+    """Write this rank's pid where the test can find it even if the rank never returns."""
+    with open(os.path.join(folder, f"pid-{dist.get_rank()}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def pids_in(folder):
+    return [int(open(os.path.join(folder, n)).read()) for n in sorted(os.listdir(folder)) if n.startswith("pid-")]
+
+
+# ------------------------------------------------------------------ results
+
+def test_results_in_rank_order_and_tensors_on_cpu():
+    def work(scale, offset=0):
+        t = torch.full((3,), float(dist.get_rank() + 1))
+        dist.all_reduce(t)
+        return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t * scale + offset}
+
+    results = utils.launch(work, 2, offset=1, world_size=4)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert all(r["world"] == 4 for r in results)
+    for r in results:
+        assert r["sum"].device.type == "cpu"
+        assert torch.equal(r["sum"], torch.full((3,), 21.0))
+
+
+def test_lambda_and_class_method_travel_by_value():
+    class Counter:
+        def __init__(self, start):
+            self.start = start
+
+        def value(self):
+            return self.start + dist.get_rank()
+
+    assert utils.launch(Counter(10).value, world_size=3) == [10, 11, 12]
+    assert utils.launch(lambda: dist.get_world_size() * 2, world_size=2) == [4, 4]
+
+
+def test_every_launch_starts_fresh_processes_and_group():
+    def state():
+        import builtins
+        seen = getattr(builtins, "_seen_before", False)
+        builtins._seen_before = True  # would leak into the next launch if ranks were reused
+        return os.getpid(), seen
+
+    first = utils.launch(state, world_size=2)
+    second = utils.launch(state, world_size=2)
+    assert not any(seen for _, seen in first + second)
+    assert {p for p, _ in first}.isdisjoint({p for p, _ in second})
+
+
+def test_single_rank_and_device():
+    assert utils.launch(lambda: (dist.get_world_size(), str(utils.device())), world_size=1) == [(1, "cpu")]
+
+
+# ------------------------------------------------------------------ threads and environment
+
+def test_default_threads_split_the_cores_and_can_be_overridden():
+    cores = len(os.sched_getaffinity(0))
+    got = utils.launch(torch.get_num_threads, world_size=4)
+    assert got == [max(1, cores // 4)] * 4
+    assert utils.launch(torch.get_num_threads, world_size=2, threads=3) == [3, 3]
+
+
+def test_notebook_environment_reaches_ranks(monkeypatch):
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # set after torch was imported
+    monkeypatch.setenv("COURSE_TEST_VARIABLE", "from the notebook")
+
+    def read():
+        return os.environ["COURSE_TEST_VARIABLE"], dist.get_debug_level().name
+
+    assert utils.launch(read, world_size=2) == [("from the notebook", "DETAIL")] * 2
+
+
+def test_debug_detail_names_a_mismatched_collective(monkeypatch):
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+
+    def mismatched():
+        t = torch.ones(4)
+        if dist.get_rank() == 0:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, src=0)
+
+    with pytest.raises(utils.LaunchError) as err:
+        utils.launch(mismatched, world_size=2, timeout=30)
+    message = str(err.value)
+    assert "mismatch" in message.lower() and "ALLREDUCE" in message and "BROADCAST" in message
+
+
+# ------------------------------------------------------------------ output
+
+def test_output_grouped_in_rank_order_with_c_level_lines(capfd):
+    def talk():
+        import ctypes
+        rank = dist.get_rank()
+        time.sleep(0.1 * (3 - rank))  # rank 3 speaks first
+        print(f"python line from {rank}")
+        libc = ctypes.CDLL(None)
+        libc.printf(b"C line from %d\n", rank)
+        libc.fflush(None)
+        os.write(2, f"stderr line from {rank}\n".encode())
+
+    utils.launch(talk, world_size=4)
+    out, err = capfd.readouterr()
+    expected = []
+    for rank in range(4):
+        expected += [f"[rank {rank}] python line from {rank}", f"[rank {rank}] C line from {rank}"]
+    assert out.splitlines() == expected
+    assert err.splitlines() == [f"[rank {r}] stderr line from {r}" for r in range(4)]
+
+
+def test_live_output_arrives_as_it_happens(monkeypatch, capfd):
+    monkeypatch.setenv("COURSE_OUTPUT", "live")
+
+    def talk():
+        time.sleep(0.3 * (1 - dist.get_rank()))  # rank 1 first
+        print(f"hello from {dist.get_rank()}")
+
+    utils.launch(talk, world_size=2)
+    assert capfd.readouterr().out.splitlines() == ["[rank 1] hello from 1", "[rank 0] hello from 0"]
+
+
+# ------------------------------------------------------------------ failures
+
+def test_exception_names_rank_type_message_and_traceback(tmp_path):
+    def fail():
+        record_pid(str(tmp_path))
+        if dist.get_rank() == 2:
+            raise ValueError("bad value on rank 2")
+        dist.barrier()
+
+    start = time.monotonic()
+    with pytest.raises(utils.LaunchError) as err:
+        utils.launch(fail, world_size=4, timeout=60)
+    assert time.monotonic() - start < 10
+    message = str(err.value)
+    assert message.startswith("rank 2 failed with ValueError: bad value on rank 2")
+    assert 'raise ValueError("bad value on rank 2")' in message  # the remote line of code
+    assert "in fail" in message
+    assert not wait_gone(pids_in(tmp_path))
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("exit", "rank 1 exited with code 3"),
+    ("abort", "rank 1 was killed by signal SIGABRT"),
+    ("kill", "rank 1 was killed by signal SIGKILL"),
+])
+def test_crash_is_reported_and_others_stopped(tmp_path, how, expected):
+    def crash():
+        record_pid(str(tmp_path))
+        if dist.get_rank() == 1:
+            if how == "exit":
+                os._exit(3)
+            elif how == "abort":
+                os.abort()
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    start = time.monotonic()
+    with pytest.raises(utils.LaunchError) as err:
+        utils.launch(crash, world_size=3, timeout=60)
+    assert time.monotonic() - start < 10
+    assert str(err.value).startswith(expected)
+    assert not wait_gone(pids_in(tmp_path))
+
+
+def test_hang_times_out_with_every_ranks_stack_and_kills_grandchildren(tmp_path):
+    def hang():
+        record_pid(str(tmp_path))
+        child = subprocess.Popen(["sleep", "300"])  # something the rank started itself
+        with open(os.path.join(str(tmp_path), f"pid-child-{dist.get_rank()}"), "w") as f:
+            f.write(str(child.pid))
+        if dist.get_rank() != 0:  # rank 0 skips the collective: the others wait forever
+            dist.barrier()
+        time.sleep(300)
+
+    start = time.monotonic()
+    with pytest.raises(utils.LaunchTimeout) as err:
+        utils.launch(hang, world_size=3, timeout=3)
+    assert time.monotonic() - start < 8
+    message = str(err.value)
+    assert "timed out after 3 s" in message
+    for rank in range(3):
+        assert f"rank {rank}:" in message
+    assert message.count("dist.barrier()") == 2 and "time.sleep(300)" in message
+    assert "0x" not in message and REPO not in message
+    children = [int(open(tmp_path / f"pid-child-{r}").read()) for r in range(3)]
+    assert not wait_gone(pids_in(tmp_path) + children)
+
+
+def test_next_launch_works_after_failures():
+    with pytest.raises(utils.LaunchError):
+        utils.launch(lambda: 1 / 0, world_size=2)
+    assert utils.launch(lambda: dist.get_rank(), world_size=2) == [0, 1]
+
+
+INTERRUPT_SCRIPT = textwrap.dedent("""
+    import os, sys, time, utils, torch.distributed as dist
+    folder = sys.argv[1]
+    def wait():
+        open(os.path.join(folder, f"pid-{dist.get_rank()}"), "w").write(str(os.getpid()))
+        time.sleep(300)
+    try:
+        utils.launch(wait, world_size=3, timeout=300)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt reached the caller", flush=True)
+""")
+
+
+def test_interrupt_stops_every_rank(tmp_path):
+    script = tmp_path / "interrupt.py"
+    script.write_text(INTERRUPT_SCRIPT)
+    proc = subprocess.Popen([PYTHON, str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    end = time.monotonic() + 60
+    while len(pids_in(tmp_path)) < 3 and time.monotonic() < end:
+        time.sleep(0.1)
+    ranks = pids_in(tmp_path)
+    assert len(ranks) == 3
+    proc.send_signal(signal.SIGINT)  # what Jupyter's stop button sends to the kernel
+    out, err = proc.communicate(timeout=30)
+    assert "KeyboardInterrupt reached the caller" in out
+    assert "Interrupted: stopped all 3 ranks." in err
+    assert not wait_gone(ranks)
+
+
+def test_ranks_die_with_the_launching_process(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(INTERRUPT_SCRIPT)
+    proc = subprocess.Popen([PYTHON, str(script), str(tmp_path)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 60
+    while len(pids_in(tmp_path)) < 3 and time.monotonic() < end:
+        time.sleep(0.1)
+    ranks = pids_in(tmp_path)
+    proc.kill()  # e.g. a kernel restart: no chance to clean up
+    proc.wait()
+    assert not wait_gone(ranks, seconds=10)
+
+
+# ------------------------------------------------------------------ network
+
+def listening_sockets(pids):
+    """(address, port) of every TCP socket in LISTEN state owned by these processes."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in inodes:  # 0A = LISTEN
+                    address, port = local.split(":")
+                    found.append((address, int(port, 16)))
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def test_every_listening_socket_is_on_loopback():
+    launcher = os.getpid()
+
+    def inspect():
+        pids = [None] * dist.get_world_size()
+        dist.all_gather_object(pids, os.getpid())
+        found = listening_sockets(pids + [launcher]) if dist.get_rank() == 0 else None
+        dist.barrier()
+        return found
+
+    found = utils.launch(inspect, world_size=3)[0]
+    assert len(found) >= 2  # the rendezvous store and the output collector at least
+    assert all(address in LOOPBACK for address, _ in found), found
+
+
+TWO_LAUNCHES = textwrap.dedent("""
+    import torch, utils, torch.distributed as dist
+    def work():
+        t = torch.ones(1000)
+        dist.all_reduce(t)
+        return t[0].item()
+    for _ in range(5):
+        assert utils.launch(work, world_size=4) == [4.0] * 4
+    print("ok")
+""")
+
+
+def test_two_launches_at_once_never_collide(tmp_path):
+    script = tmp_path / "two.py"
+    script.write_text(TWO_LAUNCHES)
+    procs = [subprocess.Popen([PYTHON, str(script)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and out.strip() == "ok", err
+
+
+# ------------------------------------------------------------------ arguments
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(world_size=0), "world_size must be an integer ≥ 1"),
+    (dict(world_size=2.5), "world_size must be an integer ≥ 1"),
+    (dict(backend="mpi"), "unknown backend 'mpi'"),
+    (dict(timeout=-1), "timeout must be a positive number"),
+    (dict(threads=0), "threads must be a positive integer"),
+])
+def test_bad_arguments_raise_before_anything_starts(kwargs, words):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=words):
+        utils.launch(lambda: None, **kwargs)
+    assert time.monotonic() - start < 0.5
+
+
+def test_not_callable_and_nccl_without_gpus():
+    with pytest.raises(ValueError, match=r"fn must be callable .* launch\(work\), not launch\(work\(\)\)"):
+        utils.launch(42)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs one CUDA GPU per rank.*backend='gloo'"):
+            utils.launch(lambda: None, world_size=2, backend="nccl")
+
+
+def test_unpicklable_argument_is_a_clear_error():
+    import threading
+    with pytest.raises(ValueError, match="could not send fn and its arguments"):
+        utils.launch(lambda lock: None, threading.Lock(), world_size=2)
+
+
+# ------------------------------------------------------------------ torchrun
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import os, torch, utils, torch.distributed as dist
+    def work(x):
+        t = torch.ones(1) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        return (dist.get_rank(), t.item() * x, os.getpid())
+    if __name__ == "__main__":
+        results = utils.launch(work, 10, world_size=99)  # torchrun decides the world size
+        print(f"RANK {os.environ['RANK']} sees {results} own pid {os.getpid()}")
+""")
+
+
+def test_under_torchrun_launch_runs_in_process(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    torchrun = os.path.join(os.path.dirname(PYTHON), "torchrun")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("RANK"))
+    assert len(lines) == 2
+    for line in lines:
+        results = eval(line.split(" sees ")[1].split(" own pid ")[0])
+        own_pid = int(line.split(" own pid ")[1])
+        assert [(r, v) for r, v, _ in results] == [(0, 30.0), (1, 30.0)]
+        assert own_pid in [p for _, _, p in results]  # fn ran in this very process

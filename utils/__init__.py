@@ -1,0 +1,22 @@
+"""Shared plumbing for the course *Data Parallelism from Scratch*.
+
+The notebooks import what they need from here:
+    utils.launch(fn, world_size=4)      run fn on 4 ranks, get their results (utils/launching.py)
+    utils.device()                      this rank's torch.device
+    %load_ext utils; %%distributed -n 4 run a cell on 4 ranks (utils/magic.py)
+    utils.trace, utils.plots            per-rank timelines
+    utils.checks                        state a claim: print ✓ or raise
+    utils.collectives                   collectives renamed across torch versions
+"""
+from .launching import (LaunchError, LaunchTimeout, backend_for, default_threads, describe, device,
+                        launch)
+from . import checks, collectives, trace
+
+__all__ = ["launch", "device", "describe", "backend_for", "default_threads", "LaunchError",
+           "LaunchTimeout", "checks", "collectives", "trace", "load_ipython_extension"]
+
+
+def load_ipython_extension(ipython):
+    """`%load_ext utils` registers the `%%distributed` cell magic."""
+    from .magic import DistributedMagics
+    ipython.register_magics(DistributedMagics)
