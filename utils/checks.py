@@ -5,12 +5,11 @@ A lesson never just prints ✗: a false claim stops the notebook (and fails nbva
 import torch
 
 
-def check(condition, claim: str, detail: str = "") -> bool:
+def check(condition, claim: str, detail: str = "") -> None:
     """Print `✓ claim` if `condition` is true, else raise AssertionError('✗ claim: detail')."""
     if not condition:
         raise AssertionError(f"✗ {claim}" + (f": {detail}" if detail else ""))
     print(f"✓ {claim}")
-    return True
 
 
 def max_abs_diff(actual, expected) -> float:

@@ -248,9 +248,14 @@ class _Launch:
         finally:
             self._stop_all()
             self._close()
-        self._print_output()
         if self.failures or self.timeout_report:
-            raise self._error()
+            # Batch runs: what failing ranks wrote to stderr goes into the report, so a notebook
+            # that catches the error and prints it stores nothing on stderr.
+            error, culprits = self._error()
+            stderr = "" if self.live else self._take_stderr(culprits)
+            self._print_output()
+            raise type(error)(str(error) + stderr)
+        self._print_output()
         return [self.results[r] for r in range(self.world_size)]
 
     def _open_rendezvous(self):
@@ -476,6 +481,15 @@ class _Launch:
             proc.close()
         self.tmp.cleanup()
 
+    def _take_stderr(self, ranks, last=20):
+        parts = []
+        for rank in ranks:
+            lines, self.lines[rank][2] = self.lines[rank][2][-last:], []
+            if lines:
+                parts.append(f"\nstderr of rank {rank} (last {len(lines)} lines):\n" +
+                             "\n".join("  " + line for line in lines))
+        return "".join(parts)
+
     def _print_output(self):
         if self.live:
             return
@@ -487,22 +501,26 @@ class _Launch:
             target.flush()
 
     def _error(self):
+        """The exception to raise, and the ranks it blames (their stderr goes into the report)."""
         if self.timeout_report and not self.failures:
-            return LaunchTimeout(self.timeout_report)
+            return LaunchTimeout(self.timeout_report), list(range(self.world_size))
         # Report the root cause: a rank whose peer vanished fails *because* of another rank.
         def is_peer_loss(rank):
             return any(sign in self.failures[rank] for sign in _PEER_LOSS)
         ranks = sorted(self.failures, key=lambda r: (is_peer_loss(r), r))
-        lines = [self.failures[ranks[0]]]
+        lines, culprits = [self.failures[ranks[0]]], [ranks[0]]
         for rank in ranks[1:]:
-            if is_peer_loss(rank):
-                lines.append(f"rank {rank} then failed too: a peer it was talking to went away")
-            else:
-                lines.append(f"rank {rank} also failed: {self.failures[rank].splitlines()[0]}")
-        stopped = sorted(set(range(self.world_size)) - set(self.failures) - set(self.results))
+            if not is_peer_loss(rank):
+                culprits.append(rank)
+                first_line = self.failures[rank].splitlines()[0]
+                lines.append(f"rank {rank} also failed: " +
+                             (first_line[:157] + "..." if len(first_line) > 160 else first_line))
+        # Ranks that only lost a peer, or were still running, were stopped because of the above.
+        stopped = sorted(set(range(self.world_size)) - set(self.results) - {ranks[0]} -
+                         {r for r in ranks[1:] if not is_peer_loss(r)})
         if stopped:
-            lines.append(f"stopped the other ranks: {', '.join(map(str, stopped))}")
-        return LaunchError("\n".join(lines))
+            lines.append(f"the other ranks were stopped: {', '.join(map(str, stopped))}")
+        return LaunchError("\n".join(lines)), sorted(culprits)
 
     def __repr__(self):
         return f"<launch of {self.world_size} ranks on {self.backend}>"

@@ -1,0 +1,63 @@
+"""Execute every lesson headless, as a student's "Run all" would, and summarise.
+
+    python -m utils.runner lessons --out build      (what `make run` does)
+
+Each notebook runs with papermill (default parameters, the best backend this machine has) in its
+own folder as working directory; the executed copies go to build/<folder>/ and a summary table
+(lesson, status, seconds) to build/summary.csv. Exit status 1 if any lesson failed.
+"""
+import argparse
+import csv
+import pathlib
+import sys
+import time
+
+
+def run_notebooks(folder: pathlib.Path, out: pathlib.Path, timeout: int) -> list:
+    """Execute each notebook of `folder`; return (name, status, seconds) rows."""
+    import papermill
+
+    notebooks = sorted(p for p in folder.glob("*.ipynb") if not p.name.startswith("."))
+    if not notebooks:
+        raise SystemExit(f"no notebooks in {folder}/: run from the course's root folder")
+    (out / folder.name).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for notebook in notebooks:
+        start = time.perf_counter()
+        try:
+            papermill.execute_notebook(str(notebook), str(out / folder.name / notebook.name),
+                                       cwd=str(folder), kernel_name="python3",
+                                       progress_bar=False, execution_timeout=timeout)
+            status = "ok"
+        except Exception as exc:  # noqa: BLE001 — one failing lesson must not stop the others
+            status = f"FAILED: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+        seconds = time.perf_counter() - start
+        rows.append((notebook.name, status, round(seconds, 1)))
+        print(f"{notebook.name:40s} {status:10.60s} {seconds:6.1f} s", flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=pathlib.Path, help="folders of notebooks, e.g. lessons")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("build"))
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    args = parser.parse_args(argv)
+    rows = []
+    for folder in args.folders:
+        rows += run_notebooks(folder, args.out, args.timeout)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "summary.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["lesson", "status", "seconds"])
+        writer.writerows(rows)
+    failed = [name for name, status, _ in rows if status != "ok"]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} notebooks ran; summary in {args.out / 'summary.csv'}")
+    if failed:
+        print("failed: " + ", ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
