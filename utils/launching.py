@@ -308,19 +308,23 @@ class _Launch:
                 self._dump_stacks()
                 return
             for key, _ in self.selector.select(timeout=min(remaining, 0.25)):
-                kind, rank = key.data
-                if kind == "accept":
-                    self._accept()
-                elif kind == "output":
-                    self._read_output(key.fileobj, rank)
-                elif kind == "result":
-                    self._read_result(key.fileobj, rank)
-                elif kind == "exit":
-                    self._rank_exited(rank)
+                self._handle(key)
             if self.failures:
                 self._drain(grace=0.5)  # collect the other ranks' last words, then stop them
                 return
         self._drain(grace=2.0)
+
+    def _handle(self, key):
+        """React to one ready socket, pipe or process sentinel."""
+        kind, rank = key.data
+        if kind == "accept":
+            self._accept()
+        elif kind == "output":
+            self._read_output(key.fileobj, rank)
+        elif kind == "result":
+            self._read_result(key.fileobj, rank)
+        elif kind == "exit":
+            self._rank_exited(rank)
 
     def _accept(self):
         try:
@@ -414,15 +418,7 @@ class _Launch:
         end = time.monotonic() + grace
         while time.monotonic() < end and any(k.data[0] in ("output", "result") for k in self.selector.get_map().values()):
             for key, _ in self.selector.select(timeout=0.05):
-                kind, rank = key.data
-                if kind == "output":
-                    self._read_output(key.fileobj, rank)
-                elif kind == "result":
-                    self._read_result(key.fileobj, rank)
-                elif kind == "exit":
-                    self._rank_exited(rank)
-                elif kind == "accept":
-                    self._accept()
+                self._handle(key)
 
     def _dump_stacks(self):
         """Timeout: ask every live rank for its Python stack (faulthandler on SIGUSR1)."""
