@@ -405,3 +405,20 @@ def test_under_torchrun_launch_runs_in_process(tmp_path):
         own_pid = int(line.split(" own pid ")[1])
         assert [(r, v) for r, v, _ in results] == [(0, 30.0), (1, 30.0)]
         assert own_pid in [p for _, _, p in results]  # fn ran in this very process
+
+
+def test_failure_report_carries_the_culprits_stderr_and_nothing_reaches_stderr(capfd):
+    def fail():
+        rank = dist.get_rank()
+        os.write(2, f"noise from rank {rank}\n".encode())
+        if rank == 1:
+            raise RuntimeError("the real problem")
+        time.sleep(30)
+
+    with pytest.raises(utils.LaunchError) as err:
+        utils.launch(fail, world_size=3)
+    message = str(err.value)
+    assert "stderr of rank 1 (last 1 lines):\n  noise from rank 1" in message
+    assert "noise from rank 0" not in message and "noise from rank 2" not in message
+    assert "the other ranks were stopped: 0, 2" in message
+    assert capfd.readouterr().err == ""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import inspect
 import io
 import linecache
 import multiprocessing
@@ -249,10 +250,13 @@ class _Launch:
             self._stop_all()
             self._close()
         if self.failures or self.timeout_report:
-            # Batch runs: what failing ranks wrote to stderr goes into the report, so a notebook
-            # that catches the error and prints it stores nothing on stderr.
+            # Batch runs: what the culprits wrote to stderr goes into the report, and what the ranks
+            # stopped because of them wrote (peer-loss noise) is dropped, so a notebook that
+            # catches the error and prints it stores nothing on stderr.
             error, culprits = self._error()
             stderr = "" if self.live else self._take_stderr(culprits)
+            for rank in range(self.world_size):
+                self.lines[rank][2] = []
             self._print_output()
             raise type(error)(str(error) + stderr)
         self._print_output()
@@ -542,11 +546,14 @@ def _rank_main(spec, result_conn, control_conn):
     torch.set_num_threads(spec["threads"])
     dist.set_debug_level_from_env()  # torch was imported before the notebook set the variable
     try:
+        options = {}
         if spec["backend"] == "nccl":
             torch.cuda.set_device(rank)
+            if "device_id" in inspect.signature(dist.init_process_group).parameters:
+                options["device_id"] = torch.device("cuda", rank)  # NCCL then knows each rank's GPU
         store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size, is_master=False,
                               timeout=timedelta(seconds=max(spec["timeout"], 30)))
-        dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, **options)
         fn, args, kwargs = cloudpickle.loads(spec["payload"])
         result = _to_cpu(fn(*args, **kwargs))
         body = cloudpickle.dumps(result)
