@@ -314,7 +314,7 @@ class _Launch:
             for key, _ in self.selector.select(timeout=min(remaining, 0.25)):
                 self._handle(key)
             if self.failures:
-                self._drain(grace=0.5)  # collect the other ranks' last words, then stop them
+                self._wait_for_root_cause()  # then stop the others
                 return
         self._drain(grace=2.0)
 
@@ -418,11 +418,26 @@ class _Launch:
             pass
 
     def _drain(self, grace):
-        """Keep reading output and results for up to `grace` seconds."""
+        """Keep reading output, results and exits for up to `grace` seconds, or until all are in."""
         end = time.monotonic() + grace
-        while time.monotonic() < end and any(k.data[0] in ("output", "result") for k in self.selector.get_map().values()):
+        while time.monotonic() < end and self.selector.get_map().keys() - {self.output_server.fileno()}:
             for key, _ in self.selector.select(timeout=0.05):
                 self._handle(key)
+
+    def _wait_for_root_cause(self):
+        """After a first failure, give the rank that caused it time to report too.
+
+        A rank that lost its peer often reports before the peer's own death is noticed (a signal
+        reaches the launcher through the forkserver), so wait longer while only such
+        consequences are known.
+        """
+        self._drain(grace=0.5)
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and all(self._is_peer_loss(r) for r in self.failures):
+            self._drain(grace=0.1)
+
+    def _is_peer_loss(self, rank):
+        return any(sign in self.failures[rank] for sign in _PEER_LOSS)
 
     def _dump_stacks(self):
         """Timeout: ask every live rank for its Python stack (faulthandler on SIGUSR1)."""
@@ -505,19 +520,17 @@ class _Launch:
         if self.timeout_report and not self.failures:
             return LaunchTimeout(self.timeout_report), list(range(self.world_size))
         # Report the root cause: a rank whose peer vanished fails *because* of another rank.
-        def is_peer_loss(rank):
-            return any(sign in self.failures[rank] for sign in _PEER_LOSS)
-        ranks = sorted(self.failures, key=lambda r: (is_peer_loss(r), r))
+        ranks = sorted(self.failures, key=lambda r: (self._is_peer_loss(r), r))
         lines, culprits = [self.failures[ranks[0]]], [ranks[0]]
         for rank in ranks[1:]:
-            if not is_peer_loss(rank):
+            if not self._is_peer_loss(rank):
                 culprits.append(rank)
                 first_line = self.failures[rank].splitlines()[0]
                 lines.append(f"rank {rank} also failed: " +
                              (first_line[:157] + "..." if len(first_line) > 160 else first_line))
         # Ranks that only lost a peer, or were still running, were stopped because of the above.
         stopped = sorted(set(range(self.world_size)) - set(self.results) - {ranks[0]} -
-                         {r for r in ranks[1:] if not is_peer_loss(r)})
+                         {r for r in ranks[1:] if not self._is_peer_loss(r)})
         if stopped:
             lines.append(f"the other ranks were stopped: {', '.join(map(str, stopped))}")
         return LaunchError("\n".join(lines)), sorted(culprits)
