@@ -422,3 +422,19 @@ def test_failure_report_carries_the_culprits_stderr_and_nothing_reaches_stderr(c
     assert "noise from rank 0" not in message and "noise from rank 2" not in message
     assert "the other ranks were stopped: 0, 2" in message
     assert capfd.readouterr().err == ""
+
+
+config = {"lr": 0.1}  # a notebook global whose name is also a torch submodule (torch.distributed.config)
+
+
+def test_global_named_like_a_torch_submodule_still_travels():
+    def uses_config():
+        return dist.get_rank(), config["lr"]
+
+    assert utils.launch(uses_config, world_size=2) == [(0, 0.1), (1, 0.1)]
+
+
+def test_optimizer_import_is_preloaded():
+    # A rank's first torch.optim constructor imports torch._dynamo (~800 modules, seconds per rank)
+    # unless the forkserver already did.
+    assert utils.launch(lambda: "torch._dynamo" in sys.modules, world_size=2) == [True, True]

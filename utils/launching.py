@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib
 import inspect
 import io
 import linecache
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import re
 import selectors
 import signal
@@ -37,6 +39,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 
 import cloudpickle
@@ -116,12 +119,33 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
     if backend == "auto":
         backend = backend_for(world_size)
     try:
-        payload = cloudpickle.dumps((fn, args, kwargs))
+        payload = dumps((fn, args, kwargs))
     except Exception as exc:
         raise ValueError(f"could not send fn and its arguments to the ranks ({type(exc).__name__}: "
                          f"{exc}); pass plain data, tensors, functions or classes.") from None
     threads = threads or default_threads(world_size)
     return _Launch(world_size, backend, timeout, threads).run(payload, source_files_of(fn))
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, plus: anything registered in sys.modules travels as an import by name.
+
+    cloudpickle ships a module global's submodules that the function's names mention; some torch
+    "modules" (e.g. torch.distributed.config) are objects it cannot pickle, so a notebook global
+    named `config` would otherwise break a launch.
+    """
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.ModuleType) and sys.modules.get(obj.__name__) is obj:
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
+def dumps(obj) -> bytes:
+    """Pickle `obj` the way launch() ships functions and results (by value, modules by name)."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def _check_arguments(fn, world_size, backend, timeout, threads):
@@ -170,7 +194,8 @@ def _forkserver_context():
     ctx = multiprocessing.get_context("forkserver")
     from multiprocessing import forkserver
     if forkserver._forkserver._forkserver_pid is None:  # not started yet: preload may still change
-        ctx.set_forkserver_preload([__name__])
+        # torch._dynamo is what a rank's first torch.optim constructor imports (~1-2 s per rank).
+        ctx.set_forkserver_preload([__name__, "torch._dynamo"])
     return ctx
 
 
@@ -569,7 +594,7 @@ def _rank_main(spec, result_conn, control_conn):
         dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, **options)
         fn, args, kwargs = cloudpickle.loads(spec["payload"])
         result = _to_cpu(fn(*args, **kwargs))
-        body = cloudpickle.dumps(result)
+        body = dumps(result)
     except BaseException as exc:  # noqa: BLE001 — everything is reported to the launcher
         sys.stdout.flush()
         sys.stderr.flush()

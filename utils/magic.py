@@ -12,11 +12,10 @@ the ranks by value; everything the cell assigns stays in the ranks.
 import ast
 import linecache
 
-import cloudpickle
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .launching import launch
+from .launching import dumps, launch
 
 _CELL_FILE = "<distributed cell>"
 
@@ -67,7 +66,7 @@ class DistributedMagics(Magics):
         for name in names_used(cell):
             if name in user_ns and not name.startswith("_"):
                 try:  # a value that cannot travel is left behind; the cell then names it in a NameError
-                    cloudpickle.dumps(user_ns[name])
+                    dumps(user_ns[name])
                 except Exception:
                     continue
                 namespace[name] = user_ns[name]
