@@ -1,0 +1,148 @@
+"""The standard DDP recipe, written once: DistributedDataParallel + DistributedSampler
+(set_epoch every epoch) + gradient clipping + AdamW, on the course's synthetic data.
+
+Run it on 4 local ranks from Python (lesson 02 does this through utils.launch):
+
+    python lessons/scripts/train_ddp.py --nproc 4 --steps 200
+
+or, unchanged, under torchrun (one process per rank; add --nnodes/--rdzv-endpoint for several machines):
+
+    torchrun --standalone --nproc_per_node 4 lessons/scripts/train_ddp.py --steps 200
+
+Each rank ends by printing one line; the last line (rank 0) says whether every replica holds the
+same parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+try:
+    import utils
+except ImportError:  # running from a checkout that was not pip-installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import utils
+from utils.data import MarkovSource
+from utils.model import GPT, GPTConfig
+
+
+def parameter_checksum(model: torch.nn.Module) -> tuple[float, str]:
+    """(sum of all parameters in float64, sha256 of their bytes): equal digests = bitwise-equal replicas."""
+    digest = hashlib.sha256()
+    total = 0.0
+    for p in model.parameters():
+        data = p.detach().cpu().contiguous()
+        digest.update(data.numpy().tobytes())
+        total += data.double().sum().item()
+    return total, digest.hexdigest()[:16]
+
+
+def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 6e-3,
+          num_sequences: int = 4096, clip: float = 1.0, weight_decay: float = 0.0, seed: int = 0,
+          n_layer: int = 2, n_embd: int = 64, n_head: int = 4, warmup_steps: int = 5,
+          log_every: int = 0) -> dict:
+    """Train the small GPT with DDP on this rank; every rank of the default group must call it.
+
+    batch_size is per rank (the micro batch): the effective batch is batch_size x world_size.
+    Returns this rank's summary: final loss (averaged over ranks and the last 20 steps),
+    parameter checksum, tokens/s of the whole job (after `warmup_steps`), epochs started.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = utils.device()
+
+    source = MarkovSource(seed=seed)
+    dataset = source.dataset(num_sequences, seq_len)
+    # Every rank gets a disjoint 1/world_size of the dataset; same length on every rank.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+    torch.manual_seed(seed)  # same init everywhere; DDP also broadcasts rank 0's weights when built
+    config = GPTConfig(vocab_size=source.vocab_size, block_size=seq_len, n_layer=n_layer,
+                       n_head=n_head, n_embd=n_embd)
+    model = GPT(config).to(device)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                  weight_decay=weight_decay)
+
+    losses, step, epoch, start = [], 0, 0, None
+    while step < steps:
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        for x, y in loader:
+            if step == warmup_steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+            x, y = x.to(device), y.to(device)
+            loss = ddp_model(x, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces (averages) the gradients during backward
+            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip)  # same norm on every rank
+            optimizer.step()
+            losses.append(loss.detach())
+            step += 1
+            if log_every and rank == 0 and step % log_every == 0:
+                print(f"step {step:4d}  loss {loss.item():.4f}")
+            if step == steps:
+                break
+        epoch += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start if start is not None else float("nan")
+
+    final = torch.stack(losses[-20:]).mean()
+    dist.all_reduce(final)  # the loss of the whole job, not of this rank's shard
+    final = final.item() / world_size
+    checksum, digest = parameter_checksum(model)
+    timed_steps = steps - warmup_steps
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "final_loss": final,
+        "loss_floor": source.loss_floor(seq_len),
+        "checksum": checksum,
+        "digest": digest,
+        "tokens_per_s": timed_steps * batch_size * seq_len * world_size / elapsed if timed_steps > 0 else float("nan"),
+        "epochs": epoch,
+        "steps": step,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4, help="ranks to start when not under torchrun")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=6e-3)
+    parser.add_argument("--log-every", type=int, default=50)
+    args = parser.parse_args(argv)
+    # Under torchrun launch() runs train() right here for this process's rank and gathers all
+    # ranks' results; otherwise it starts --nproc ranks on this machine.
+    results = utils.launch(train, world_size=args.nproc, timeout=3600, steps=args.steps,
+                           batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                           log_every=args.log_every)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return  # under torchrun every process has every result: let rank 0 report
+    for r in results:
+        print(f"rank {r['rank']}: final loss {r['final_loss']:.4f}  checksum {r['checksum']:.10f}  "
+              f"digest {r['digest']}")
+    first = results[0]
+    same = all(r["digest"] == first["digest"] for r in results)
+    print(f"world size {first['world_size']}: loss floor {first['loss_floor']:.4f}, "
+          f"{first['tokens_per_s']:.0f} tokens/s, epochs {first['epochs']}, "
+          f"replicas identical: {same}")
+
+
+if __name__ == "__main__":
+    main()
