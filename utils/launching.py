@@ -472,8 +472,7 @@ class _Launch:
                 os.kill(self.procs[rank].pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
-        time.sleep(0.5)
-        self._drain(grace=0.2)
+        self._wait_for_stack_files(stuck)
         stacks = {r: self._read_stack_file(r) or "  (no stack: the rank did not answer)" for r in stuck}
         finished = sorted(set(range(self.world_size)) - set(stuck))
         lines = [f"launch timed out after {self.timeout:g} s: {len(stuck)} of {self.world_size} ranks still "
@@ -485,6 +484,22 @@ class _Launch:
         for rank in stuck:
             lines.append(f"rank {rank}:\n{stacks[rank]}")
         self.timeout_report = "\n".join(lines)
+
+    def _wait_for_stack_files(self, ranks, limit=3.0):
+        """Until every rank's dump is written and stops growing (a starved rank answers late)."""
+        sizes, end = {}, time.monotonic() + limit
+        while time.monotonic() < end:
+            self._drain(grace=0.1)
+            now = {r: self._stack_file_size(r) for r in ranks}
+            if all(now.values()) and now == sizes:
+                return
+            sizes = now
+
+    def _stack_file_size(self, rank):
+        try:
+            return os.path.getsize(os.path.join(self.tmp.name, f"stack-{rank}.txt"))
+        except OSError:
+            return 0
 
     def _read_stack_file(self, rank):
         """This rank's Python stack(s) as faulthandler wrote them, tidied; '' if none."""

@@ -1,0 +1,167 @@
+"""utils.bytecount: exact point-to-point counts, nominal collective counts, forbidding collectives."""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import utils
+from utils import bytecount
+
+# Ship this module's functions by value, exactly as functions defined in a notebook cell travel.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# ------------------------------------------------------------------ rank functions (run by utils.launch)
+
+def _known_pattern():
+    """Rank 0 sends 10 float32 (blocking) and 3 float64 (isend) to rank 1; rank 1 answers with 5 int8."""
+    rank = dist.get_rank()
+    with bytecount.count_bytes() as counter:
+        if rank == 0:
+            dist.send(torch.zeros(10), 1)
+            dist.isend(torch.zeros(3, dtype=torch.float64), dst=1).wait()
+            dist.recv(torch.zeros(5, dtype=torch.int8), 1)
+        else:
+            dist.recv(torch.zeros(10), 0)
+            dist.irecv(torch.zeros(3, dtype=torch.float64), src=0).wait()
+            dist.send(torch.zeros(5, dtype=torch.int8), 0)
+    outside = torch.zeros(7)  # after the block nothing is counted any more
+    if rank == 0:
+        dist.send(outside, 1)
+    else:
+        dist.recv(outside, 0)
+    return counter.summary()
+
+
+def _ring_shift(numel):
+    """Every rank passes numel float16 to its right neighbour (isend + recv)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    with bytecount.count_bytes() as counter, bytecount.forbid_collectives():
+        request = dist.isend(torch.ones(numel, dtype=torch.float16), (rank + 1) % n)
+        dist.recv(torch.empty(numel, dtype=torch.float16), (rank - 1) % n)
+        request.wait()
+    return counter.summary()
+
+
+def _builtin_collectives():
+    """Each built-in collective once; their counts are nominal."""
+    n = dist.get_world_size()
+    out = {}
+    for name, call in [
+        ("all_reduce", lambda: dist.all_reduce(torch.ones(12))),                                  # M = 48
+        ("broadcast", lambda: dist.broadcast(torch.ones(12), src=1)),                             # M = 48
+        ("reduce", lambda: dist.reduce(torch.ones(12), dst=0)),                                   # M = 48
+        ("all_gather_single", lambda: utils.collectives.all_gather_single(torch.ones(3 * n), torch.ones(3))),
+        ("reduce_scatter_single",
+         lambda: utils.collectives.reduce_scatter_single(torch.ones(3), torch.ones(3 * n))),
+        ("barrier", lambda: dist.barrier()),
+    ]:
+        with bytecount.count_bytes() as counter:
+            call()
+        out[name] = counter.summary()
+    return out
+
+
+def _forbidden_inside_launch():
+    caught = []
+    with bytecount.forbid_collectives():
+        for call in (lambda: dist.all_reduce(torch.ones(2)), lambda: dist.barrier()):
+            try:
+                call()
+            except bytecount.CollectiveForbiddenError as err:
+                caught.append(str(err))
+    dist.all_reduce(torch.ones(2))  # works again afterwards
+    return caught
+
+
+# ------------------------------------------------------------------ tests
+
+def test_exact_counts_on_a_known_pattern():
+    zero, one = utils.launch(_known_pattern, world_size=2, timeout=60)
+    assert (zero["sent"], zero["received"]) == (10 * 4 + 3 * 8, 5)
+    assert (one["sent"], one["received"]) == (5, 10 * 4 + 3 * 8)
+    assert (zero["messages_sent"], zero["messages_received"]) == (2, 1)
+    assert zero["by_op"]["send"] == dict(calls=1, sent=40, received=0)
+    assert zero["by_op"]["isend"] == dict(calls=1, sent=24, received=0)
+    assert one["by_op"]["irecv"] == dict(calls=1, sent=0, received=24)
+    assert zero["by_peer"] == {1: dict(sent=64, received=5)}
+    assert one["by_peer"] == {0: dict(sent=5, received=64)}
+    assert zero["nominal_sent"] == zero["nominal_received"] == 0
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_ring_shift_counts_every_rank(world_size):
+    summaries = utils.launch(_ring_shift, 7, world_size=world_size, timeout=60)
+    for rank, s in enumerate(summaries):
+        assert (s["sent"], s["received"]) == (14, 14), rank
+        assert s["by_peer"] == {(rank + 1) % 3: dict(sent=14, received=0),
+                                (rank - 1) % 3: dict(sent=0, received=14)}
+
+
+def test_builtin_collectives_are_nominal_and_counted_once():
+    n = 4
+    results = utils.launch(_builtin_collectives, world_size=n, timeout=60)
+    for rank, out in enumerate(results):
+        for name, s in out.items():
+            assert s["sent"] == s["received"] == 0, (name, "collectives must not look like exact p2p bytes")
+            calls = sum(entry["calls"] for entry in s["by_op"].values())
+            assert calls == 1, (name, s["by_op"])  # the shim and the call inside it count once
+        assert (out["all_reduce"]["nominal_sent"], out["all_reduce"]["nominal_received"]) == (72, 72)
+        assert out["all_gather_single"]["nominal_sent"] == 3 * 4 * (n - 1)
+        assert out["reduce_scatter_single"]["nominal_received"] == 3 * 4 * (n - 1)
+        assert out["barrier"]["nominal_sent"] == 0
+        broadcast = (out["broadcast"]["nominal_sent"], out["broadcast"]["nominal_received"])
+        assert broadcast == ((3 * 48, 0) if rank == 1 else (0, 48))
+        reduce = (out["reduce"]["nominal_sent"], out["reduce"]["nominal_received"])
+        assert reduce == ((0, 3 * 48) if rank == 0 else (48, 0))
+
+
+def test_forbid_collectives_inside_ranks():
+    caught = utils.launch(_forbidden_inside_launch, world_size=2, timeout=60)
+    for messages in caught:
+        assert len(messages) == 2
+        assert "dist.all_reduce" in messages[0] and "send/recv" in messages[0]
+        assert "dist.barrier" in messages[1]
+
+
+def test_forbid_collectives_without_a_process_group():
+    original_send, original_all_reduce = dist.send, dist.all_reduce
+    with bytecount.forbid_collectives():
+        assert dist.send is original_send  # point-to-point stays untouched
+        for call in (lambda: dist.all_reduce(torch.ones(1)), lambda: c10d.all_reduce(torch.ones(1)),
+                     lambda: utils.collectives.all_gather_single(torch.ones(2), torch.ones(1)),
+                     lambda: utils.collectives.reduce_scatter_single(torch.ones(1), torch.ones(2))):
+            with pytest.raises(bytecount.CollectiveForbiddenError):
+                call()
+    assert dist.all_reduce is original_all_reduce and c10d.all_reduce is original_all_reduce
+
+
+def test_patches_nest_and_restore_in_either_order():
+    originals = {name: getattr(dist, name) for name in bytecount.POINT_TO_POINT + ("all_reduce", "broadcast")}
+    with bytecount.forbid_collectives(), bytecount.count_bytes():
+        assert dist.send is not originals["send"]
+        with pytest.raises(bytecount.CollectiveForbiddenError):
+            dist.all_reduce(torch.ones(1))
+    with bytecount.count_bytes(), bytecount.forbid_collectives():
+        pass
+    for name, fn in originals.items():
+        assert getattr(dist, name) is fn, name
+        assert getattr(c10d, name) is fn, name
+    assert bytecount._active_counters == []
+
+
+def test_counter_summary_totals():
+    counter = bytecount.ByteCounter()
+    counter.add("isend", sent=100, peer=2)
+    counter.add("irecv", received=30, peer=1)
+    counter.add("all_reduce", sent=7, received=7, nominal=True)
+    s = counter.summary()
+    assert (s["sent"], s["received"], s["nominal_sent"], s["nominal_received"]) == (100, 30, 7, 7)
+    assert (s["messages_sent"], s["messages_received"]) == (1, 1)
+    assert s["by_peer"] == {1: dict(sent=0, received=30), 2: dict(sent=100, received=0)}
+    counter.reset()
+    assert counter.summary()["sent"] == 0
+    assert bytecount.tensor_bytes(torch.zeros(3, 5, dtype=torch.bfloat16)) == 30

@@ -1,0 +1,320 @@
+"""utils.labcheck on lab 1: the reference solution passes; wrong solutions fail with a useful message.
+
+The reference solutions are read from labs/lab1_collectives.ipynb (its solution cells), so the lab and these
+tests cannot drift apart. Wrong solutions are written here, each with one typical mistake.
+"""
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+from utils import labcheck
+from utils.labcheck import LabCheckFailure
+
+# Ship this module's functions by value, exactly as functions defined in a notebook cell travel.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+LAB = Path(__file__).resolve().parents[1] / "labs" / "lab1_collectives.ipynb"
+_SOLUTION_REGION = re.compile(r"^([ \t]*)# BEGIN SOLUTION\n.*?^[ \t]*# END SOLUTION[ \t]*$", re.S | re.M)
+
+
+def _solution_namespace(student=False):
+    """Exec the lab's solution cells; with student=True, each solution region becomes a stub first."""
+    namespace = {"__name__": "lab1_student" if student else "lab1_reference",
+                 "math": math, "torch": torch, "dist": dist}
+    nb = nbformat.read(str(LAB), as_version=4)
+    cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution")]
+    assert len(cells) == 4, "lab 1 has four solution cells"
+    for cell in cells:
+        source = cell.source
+        if student:
+            source = _SOLUTION_REGION.sub(lambda m: f"{m.group(1)}raise NotImplementedError()", source)
+            assert "BEGIN SOLUTION" not in source
+        exec(compile(source, f"<{cell.metadata['nbgrader']['grade_id']}>", "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _solution_namespace()
+
+
+def _fails(match, check, *args, **kwargs):
+    """Run a check that must fail; return its message (and assert it matches `match`)."""
+    with pytest.raises(LabCheckFailure) as info:
+        check(*args, **kwargs)
+    message = str(info.value)
+    assert re.search(match, message, re.S), message
+    return message
+
+
+# ------------------------------------------------------------------ the reference passes everything
+
+def test_reference_solution_passes_every_check(reference, capsys):
+    labcheck.check_reduce_scatter(reference["reduce_scatter"])
+    labcheck.check_all_gather(reference["all_gather"])
+    labcheck.check_halving_doubling(reference["all_reduce_halving_doubling"], world_sizes=(2, 3, 4, 5, 6, 8))
+    labcheck.check_cost_model(reference["ring_time"], reference["halving_doubling_time"],
+                              reference["crossover_bytes"])
+    printed = capsys.readouterr().out
+    for n in (2, 3, 4):
+        assert f"✓ reduce_scatter at N={n}" in printed and f"✓ all_gather at N={n}" in printed
+
+
+def test_student_copy_fails_fast_with_not_implemented(reference):
+    stub = _solution_namespace(student=True)
+    started = time.monotonic()
+    for check, fn in ((labcheck.check_reduce_scatter, stub["reduce_scatter"]),
+                      (labcheck.check_all_gather, stub["all_gather"]),
+                      (labcheck.check_halving_doubling, stub["all_reduce_halving_doubling"])):
+        _fails(r"not implemented yet.*NotImplementedError", check, fn, timeout=20)
+    _fails(r"ring_time is not implemented yet", labcheck.check_cost_model,
+           stub["ring_time"], stub["halving_doubling_time"], stub["crossover_bytes"])
+    _fails(r"crossover_bytes is not implemented yet", labcheck.check_cost_model,
+           reference["ring_time"], reference["halving_doubling_time"], stub["crossover_bytes"])
+    assert time.monotonic() - started < 15, "a stub must fail at once, not after a timeout"
+
+
+# ------------------------------------------------------------------ wrong reduce-scatters
+
+def rs_returns_next_chunk(tensor):
+    """Lesson 03's reduce-scatter phase as is: rank r ends with chunk r+1."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = [c.clone() for c in tensor.tensor_split(n)]
+    inbox = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        outgoing, incoming = chunks[(rank - step) % n], chunks[(rank - step - 1) % n]
+        request = dist.isend(outgoing, (rank + 1) % n)
+        dist.recv(inbox[:incoming.numel()], (rank - 1) % n)
+        incoming += inbox[:incoming.numel()]
+        request.wait()
+    return chunks[(rank + 1) % n]
+
+
+def rs_floor_chunks(tensor):
+    """Chunks of length // n, the remainder all in the last chunk: wrong boundaries for uneven lengths."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = tensor.numel() // n
+    bounds = [(r * size, (r + 1) * size if r < n - 1 else tensor.numel()) for r in range(n)]
+    total = tensor.clone()
+    for peer in range(n):  # exchange full tensors with isend: correct sums, wrong chunking
+        if peer != rank:
+            request = dist.isend(tensor, peer)
+            inbox = torch.empty_like(tensor)
+            dist.recv(inbox, peer)
+            request.wait()
+            total += inbox
+    start, stop = bounds[rank]
+    return total[start:stop]
+
+
+def rs_hub(tensor):
+    """Correct chunks, but everything goes through rank 0: rank 0 receives (N-1)·M."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        total = tensor.clone()
+        inbox = torch.empty_like(tensor)
+        for peer in range(1, n):
+            dist.recv(inbox, peer)
+            total += inbox
+        chunks = total.tensor_split(n)
+        for peer in range(1, n):
+            dist.send(chunks[peer].contiguous(), peer)
+        return chunks[0]
+    dist.send(tensor, 0)
+    mine = torch.empty_like(tensor.tensor_split(n)[rank])
+    dist.recv(mine, 0)
+    return mine
+
+
+def rs_no_reduction(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    return tensor.tensor_split(n)[rank].clone()
+
+
+def rs_uses_all_reduce(tensor):
+    total = tensor.clone()
+    dist.all_reduce(total)
+    return total.tensor_split(dist.get_world_size())[dist.get_rank()]
+
+
+def test_off_by_one_chunk_is_named():
+    message = _fails(r"rank 0.*returned chunk 1 of the sum, expected chunk 0.*off by one chunk",
+                     labcheck.check_reduce_scatter, rs_returns_next_chunk, world_sizes=(3,))
+    assert "N=3" in message
+
+
+def test_wrong_chunk_boundaries_show_expected_shape():
+    _fails(r"rank 0, length 7.*returned shape \(2,\), expected \(3,\)",
+           labcheck.check_reduce_scatter, rs_floor_chunks, world_sizes=(3,))
+
+
+def test_hub_reduce_scatter_fails_on_bytes():
+    _fails(r"rank 0, length 24 \(M = 96 bytes\): received 192 bytes, expected 64",
+           labcheck.check_reduce_scatter, rs_hub, world_sizes=(3,), dtypes=(torch.float32,))
+
+
+def test_no_reduction_and_collectives_are_reported():
+    _fails(r"returned its own input.*nothing was added", labcheck.check_reduce_scatter, rs_no_reduction,
+           world_sizes=(2,))
+    _fails(r"called the built-in collective dist\.all_reduce", labcheck.check_reduce_scatter,
+           rs_uses_all_reduce, world_sizes=(2,))
+
+
+# ------------------------------------------------------------------ wrong all-gathers
+
+def ag_forgets_a_chunk(chunk, length):
+    """One step short: the chunk that should arrive last never does."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(length, dtype=chunk.dtype)
+    pieces = out.tensor_split(n)
+    pieces[rank].copy_(chunk)
+    for step in range(n - 2):
+        request = dist.isend(pieces[(rank - step) % n], (rank + 1) % n)
+        dist.recv(pieces[(rank - step - 1) % n], (rank - 1) % n)
+        request.wait()
+    return out
+
+
+def ag_blocking_ring(chunk, length):
+    """Every rank sends (blocking) before it receives: the deadlock of lesson 03."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(length, dtype=chunk.dtype)
+    pieces = out.tensor_split(n)
+    pieces[rank].copy_(chunk)
+    for step in range(n - 1):
+        dist.send(pieces[(rank - step) % n], (rank + 1) % n)
+        dist.recv(pieces[(rank - step - 1) % n], (rank - 1) % n)
+    return out
+
+
+def ag_returns_none(chunk, length):
+    return None
+
+
+def test_all_gather_that_forgets_a_chunk():
+    _fails(r"rank 0, length 3.*wrong gathered tensor.*wrong chunks: \[1\]", labcheck.check_all_gather,
+           ag_forgets_a_chunk, world_sizes=(3,))
+
+
+def test_deadlock_is_reported_as_such():
+    message = _fails(r"no result after 5 s: likely a deadlock.*Where each rank was waiting",
+                     labcheck.check_all_gather, ag_blocking_ring, world_sizes=(3,), timeout=5)
+    assert "ag_blocking_ring" in message  # the stack points at the student's function
+
+
+def test_missing_return_value():
+    _fails(r"returned NoneType, expected a tensor", labcheck.check_all_gather, ag_returns_none,
+           world_sizes=(2,))
+
+
+# ------------------------------------------------------------------ wrong halving-doublings
+
+def hd_power_of_two_only(tensor):
+    """Textbook recursive halving-doubling with no rule for the extra ranks."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    result, inbox = tensor.clone(), torch.empty_like(tensor)
+    lo, hi, history, distance = 0, result.numel(), [], n // 2
+    while distance >= 1:
+        partner = rank ^ distance
+        mid = lo + (hi - lo) // 2
+        keep, give = ((lo, mid), (mid, hi)) if rank & distance == 0 else ((mid, hi), (lo, mid))
+        request = dist.isend(result[give[0]:give[1]], partner)
+        dist.recv(inbox[keep[0]:keep[1]], partner)
+        result[keep[0]:keep[1]] += inbox[keep[0]:keep[1]]
+        request.wait()
+        history.append((lo, hi))
+        lo, hi = keep
+        distance //= 2
+    distance = 1
+    for outer_lo, outer_hi in reversed(history):
+        partner = rank ^ distance
+        other = (hi, outer_hi) if lo == outer_lo else (outer_lo, lo)
+        request = dist.isend(result[lo:hi], partner)
+        dist.recv(result[other[0]:other[1]], partner)
+        request.wait()
+        lo, hi = outer_lo, outer_hi
+        distance *= 2
+    return result
+
+
+def ring_all_reduce(tensor, gather_steps=None):
+    """Lesson 03's ring: correct sums, but not halving-doubling."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gather_steps = n - 1 if gather_steps is None else gather_steps
+    tensor = tensor.clone()
+    chunks = tensor.tensor_split(n)
+    inbox = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        outgoing, incoming = chunks[(rank - step) % n], chunks[(rank - step - 1) % n]
+        request = dist.isend(outgoing, (rank + 1) % n)
+        dist.recv(inbox[:incoming.numel()], (rank - 1) % n)
+        incoming += inbox[:incoming.numel()]
+        request.wait()
+    for step in range(gather_steps):
+        request = dist.isend(chunks[(rank - step + 1) % n], (rank + 1) % n)
+        dist.recv(chunks[(rank - step) % n], (rank - 1) % n)
+        request.wait()
+    return tensor
+
+
+def ring_forgets_a_chunk(tensor):
+    """Sums correctly, but the all-gather stops one step short: one chunk keeps a partial sum."""
+    return ring_all_reduce(tensor, gather_steps=dist.get_world_size() - 2)
+
+
+def test_power_of_two_only_solution_is_rejected():
+    labcheck.check_halving_doubling(hd_power_of_two_only, world_sizes=(2, 4))  # fine on powers of two
+    _fails(r"likely a deadlock.*N=3 is not a power of two: follow the lab's rule for the extra ranks",
+           labcheck.check_halving_doubling, hd_power_of_two_only, world_sizes=(3,), timeout=5)
+
+
+def test_sum_missing_a_contribution_names_the_chunks():
+    message = _fails(r"rank 0, length 4, float32: wrong sum: 1 of 4 elements wrong, first at element 2.*"
+                     r"wrong chunks: \[2\]", labcheck.check_halving_doubling, ring_forgets_a_chunk,
+                     world_sizes=(4,))
+    assert "rank 1, length 4, float32: wrong sum: 1 of 4 elements wrong, first at element 3" in message
+
+
+def test_a_ring_is_not_halving_doubling():
+    _fails(r"sent 6 messages, at most 4 expected", labcheck.check_halving_doubling, ring_all_reduce,
+           world_sizes=(4,))
+    _fails(r"rank 1, length 24 \(M = 96 bytes\): sent 128 bytes, expected 192",
+           labcheck.check_halving_doubling, ring_all_reduce, world_sizes=(3,), dtypes=(torch.float32,))
+
+
+# ------------------------------------------------------------------ wrong cost models
+
+def test_wrong_cost_formulas_fail(reference):
+    ring, hd = reference["ring_time"], reference["halving_doubling_time"]
+    crossover = reference["crossover_bytes"]
+
+    def ring_time(n, nbytes, alpha, beta):  # forgets that the all-gather phase doubles the steps
+        return (n - 1) * (alpha + nbytes / n * beta)
+
+    def halving_doubling_time(n, nbytes, alpha, beta):  # no cost for the fold
+        p = 1 << (n.bit_length() - 1)
+        return 2 * math.log2(p) * alpha + 2 * (p - 1) / p * nbytes * beta
+
+    def crossover_bytes(n, alpha, beta):  # says "never" for powers of two the wrong way round
+        return 0.0
+
+    _fails(r"ring_time\(n=2, .*expected .*2\(N-1\) steps", labcheck.check_cost_model, ring_time, hd, crossover)
+    _fails(r"halving_doubling_time\(n=3, .*fold", labcheck.check_cost_model, ring, halving_doubling_time,
+           crossover)
+    _fails(r"crossover_bytes\(n=2, .*expected inf", labcheck.check_cost_model, ring, hd, crossover_bytes)
+
+
+def test_halving_doubling_bytes_formula():
+    # N = 6: p = 4, extra = 2 → ranks 0, 2 folded; 1, 3 carry the fold; 4, 5 plain.
+    want = {r: labcheck.halving_doubling_bytes(r, 6, 480)["sent"] for r in range(6)}
+    assert want == {0: 480, 1: 720 + 480, 2: 480, 3: 720 + 480, 4: 720, 5: 720}
+    assert labcheck.halving_doubling_bytes(3, 8, 800)["max_messages"] == 6
+    assert labcheck.chunk_bounds(9, 4) == [(0, 3), (3, 5), (5, 7), (7, 9)]
