@@ -1,7 +1,7 @@
 """Benchmark: the from-scratch ring all-reduce of lesson 03 against dist.all_reduce.
 
 Runs 4 ranks (gloo on CPU, NCCL with one GPU per rank) and times, at 16 MB and 64 MB of float32:
-  - the plain ring (one isend/recv/add per step; lesson 03's first version),
+  - the plain ring (one batched send+receive and one add per step; lesson 03's first version),
   - the pipelined ring (the same ring schedule, each chunk cut into sub-chunks so that sending,
     receiving and adding overlap; lesson 03's fast version),
   - dist.all_reduce.
@@ -25,6 +25,16 @@ import utils
 
 # ------------------------------------------------------------------ the lesson's rings (copies)
 
+def exchange(outgoing, dst, incoming, src):
+    # Send `outgoing` to rank dst and receive `incoming` from rank src, posted together as one batch so
+    # that neither waits for the other (a blocking send first would deadlock the ring, and on NCCL so can
+    # an isend followed by a recv); returns once both are done.
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, dst),
+                                       dist.P2POp(dist.irecv, incoming, src)])
+    for request in requests:
+        request.wait()
+
+
 def ring_all_reduce(tensor):
     # Sum `tensor` over all ranks, in place, by passing chunks around a ring (any length, any N).
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -32,25 +42,22 @@ def ring_all_reduce(tensor):
         return tensor
     right, left = (rank + 1) % n, (rank - 1) % n
     chunks = tensor.view(-1).tensor_split(n)   # n contiguous views into tensor; chunk 0 is the largest
-    inbox = torch.empty_like(chunks[0])
+    inbox = torch.empty_like(chunks[0])        # on the tensor's device, like every buffer we create
     for step in range(n - 1):                  # reduce-scatter: add the left neighbour's partial sum
         outgoing, incoming = chunks[(rank - step) % n], chunks[(rank - step - 1) % n]
-        request = dist.isend(outgoing, dst=right)  # non-blocking: a blocking send here deadlocks
-        dist.recv(inbox[:incoming.numel()], src=left)
+        exchange(outgoing, right, inbox[:incoming.numel()], left)
         incoming += inbox[:incoming.numel()]
-        request.wait()
     for step in range(n - 1):                  # all-gather: pass the finished chunks on
         outgoing, incoming = chunks[(rank - step + 1) % n], chunks[(rank - step) % n]
-        request = dist.isend(outgoing, dst=right)
-        dist.recv(incoming, src=left)
-        request.wait()
+        exchange(outgoing, right, incoming, left)
     return tensor
 
 
 def pipelined_ring_all_reduce(tensor, piece_bytes=1 << 20):
-    # The ring of ring_all_reduce, with every chunk cut into pieces that are received, added and
-    # forwarded independently. 2(n-1) steps: at step g we receive chunk (rank-g-1) % n from the left,
-    # add it (reduce-scatter, g < n-1) or keep it (all-gather), and forward it piece by piece.
+    # The ring of ring_all_reduce with every chunk cut into pieces. Step g (of 2(n-1)) sends chunk
+    # (rank-g) % n to the right and receives chunk (rank-g-1) % n from the left: added to ours in the
+    # reduce-scatter steps (g < n-1), kept as is in the all-gather steps. Each piece is one exchange,
+    # posted as soon as the piece it sends is ready: a whole chunk's worth of pieces is on the way at once.
     rank, n = dist.get_rank(), dist.get_world_size()
     if n == 1:
         return tensor
@@ -58,39 +65,28 @@ def pipelined_ring_all_reduce(tensor, piece_bytes=1 << 20):
     chunks = tensor.view(-1).tensor_split(n)
     n_pieces = max(1, -(-chunks[0].numel() * tensor.element_size() // piece_bytes))
     pieces = [chunk.tensor_split(n_pieces) for chunk in chunks]
-    inboxes = [torch.empty_like(chunks[0]) for _ in range(2)]
-    steps = 2 * (n - 1)
-    sending = {}                                   # chunk index -> its pending isend requests
+    inboxes = [torch.empty_like(chunks[0]) for _ in range(2)]   # the reduce-scatter steps use them in turn
 
-    def send_piece(index, k):
-        sending.setdefault(index, []).append(dist.isend(pieces[index][k], dst=right))
+    def start(g, k):                               # post piece k of step g; return its requests and inbox
+        incoming = (rank - g - 1) % n
+        if g < n - 1:                              # reduce-scatter: into an inbox, added once it is in
+            target = inboxes[g % 2][:chunks[incoming].numel()].tensor_split(n_pieces)[k]
+        else:                                      # all-gather: straight into our copy of the chunk
+            target = pieces[incoming][k]
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, pieces[(rank - g) % n][k], right),
+                                           dist.P2POp(dist.irecv, target, left)])
+        return requests, target
 
-    def post_receives(g):
-        index = (rank - g - 1) % n
-        if g < n - 1:                              # reduce-scatter: into an inbox, to be added
-            targets = inboxes[g % 2][:chunks[index].numel()].tensor_split(n_pieces)
-        else:                                      # all-gather: straight into the chunk ...
-            for request in sending.pop(index, []):
-                request.wait()                     # ... once nobody is still sending from it
-            targets = pieces[index]
-        return index, targets, [dist.irecv(t, src=left) for t in targets]
-
-    for k in range(n_pieces):                      # step 0 sends our own chunk
-        send_piece(rank, k)
-    index, targets, receives = post_receives(0)
-    for g in range(steps):
-        upcoming = post_receives(g + 1) if g + 1 < steps else None
-        for k in range(n_pieces):
-            receives[k].wait()
-            if g < n - 1:
-                pieces[index][k].add_(targets[k])
-            if g + 1 < steps:
-                send_piece(index, k)               # forward at once: step g+1 sends this chunk
-        if upcoming:
-            index, targets, receives = upcoming
-    for requests in sending.values():
+    transfers = [(g, k) for g in range(2 * (n - 1)) for k in range(n_pieces)]
+    posted = [start(*transfer) for transfer in transfers[:n_pieces]]   # step 0: our own chunk, every piece
+    for i, (g, k) in enumerate(transfers):
+        requests, target = posted[i]
         for request in requests:
             request.wait()
+        if g < n - 1:
+            pieces[(rank - g - 1) % n][k].add_(target)
+        if i + n_pieces < len(transfers):          # step g+1 sends this very piece on: post it now
+            posted.append(start(*transfers[i + n_pieces]))
     return tensor
 
 
@@ -129,7 +125,7 @@ def _time_all(sizes_mb, reps, warmup, piece_bytes):
                 op(work)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends with its slowest rank
                 times[name].append(elapsed.item())
         results[size_mb] = times

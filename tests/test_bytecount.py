@@ -15,20 +15,22 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 # ------------------------------------------------------------------ rank functions (run by utils.launch)
+# Every tensor lives on utils.device(): the CPU under gloo, this rank's GPU under NCCL (which moves GPU
+# tensors only), so the counts are checked on whatever backend `launch` picks.
 
 def _known_pattern():
     """Rank 0 sends 10 float32 (blocking) and 3 float64 (isend) to rank 1; rank 1 answers with 5 int8."""
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), utils.device()
     with bytecount.count_bytes() as counter:
         if rank == 0:
-            dist.send(torch.zeros(10), 1)
-            dist.isend(torch.zeros(3, dtype=torch.float64), dst=1).wait()
-            dist.recv(torch.zeros(5, dtype=torch.int8), 1)
+            dist.send(torch.zeros(10, device=device), 1)
+            dist.isend(torch.zeros(3, dtype=torch.float64, device=device), dst=1).wait()
+            dist.recv(torch.zeros(5, dtype=torch.int8, device=device), 1)
         else:
-            dist.recv(torch.zeros(10), 0)
-            dist.irecv(torch.zeros(3, dtype=torch.float64), src=0).wait()
-            dist.send(torch.zeros(5, dtype=torch.int8), 0)
-    outside = torch.zeros(7)  # after the block nothing is counted any more
+            dist.recv(torch.zeros(10, device=device), 0)
+            dist.irecv(torch.zeros(3, dtype=torch.float64, device=device), src=0).wait()
+            dist.send(torch.zeros(5, dtype=torch.int8, device=device), 0)
+    outside = torch.zeros(7, device=device)  # after the block nothing is counted any more
     if rank == 0:
         dist.send(outside, 1)
     else:
@@ -37,26 +39,33 @@ def _known_pattern():
 
 
 def _ring_shift(numel):
-    """Every rank passes numel float16 to its right neighbour (isend + recv)."""
+    """Every rank passes numel float16 to its right neighbour, send and receive posted as one batch."""
     rank, n = dist.get_rank(), dist.get_world_size()
+    device = utils.device()
+    outgoing = torch.full((numel,), float(rank), dtype=torch.float16, device=device)
+    incoming = torch.empty(numel, dtype=torch.float16, device=device)
     with bytecount.count_bytes() as counter, bytecount.forbid_collectives():
-        request = dist.isend(torch.ones(numel, dtype=torch.float16), (rank + 1) % n)
-        dist.recv(torch.empty(numel, dtype=torch.float16), (rank - 1) % n)
-        request.wait()
-    return counter.summary()
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, (rank + 1) % n),
+                                           dist.P2POp(dist.irecv, incoming, (rank - 1) % n)])
+        for request in requests:
+            request.wait()
+    return counter.summary(), incoming
 
 
 def _builtin_collectives():
     """Each built-in collective once; their counts are nominal."""
-    n = dist.get_world_size()
+    n, device = dist.get_world_size(), utils.device()
+
+    def ones(numel):
+        return torch.ones(numel, device=device)
+
     out = {}
     for name, call in [
-        ("all_reduce", lambda: dist.all_reduce(torch.ones(12))),                                  # M = 48
-        ("broadcast", lambda: dist.broadcast(torch.ones(12), src=1)),                             # M = 48
-        ("reduce", lambda: dist.reduce(torch.ones(12), dst=0)),                                   # M = 48
-        ("all_gather_single", lambda: utils.collectives.all_gather_single(torch.ones(3 * n), torch.ones(3))),
-        ("reduce_scatter_single",
-         lambda: utils.collectives.reduce_scatter_single(torch.ones(3), torch.ones(3 * n))),
+        ("all_reduce", lambda: dist.all_reduce(ones(12))),                                  # M = 48
+        ("broadcast", lambda: dist.broadcast(ones(12), src=1)),                             # M = 48
+        ("reduce", lambda: dist.reduce(ones(12), dst=0)),                                   # M = 48
+        ("all_gather_single", lambda: utils.collectives.all_gather_single(ones(3 * n), ones(3))),
+        ("reduce_scatter_single", lambda: utils.collectives.reduce_scatter_single(ones(3), ones(3 * n))),
         ("barrier", lambda: dist.barrier()),
     ]:
         with bytecount.count_bytes() as counter:
@@ -66,14 +75,15 @@ def _builtin_collectives():
 
 
 def _forbidden_inside_launch():
+    device = utils.device()
     caught = []
     with bytecount.forbid_collectives():
-        for call in (lambda: dist.all_reduce(torch.ones(2)), lambda: dist.barrier()):
+        for call in (lambda: dist.all_reduce(torch.ones(2, device=device)), lambda: dist.barrier()):
             try:
                 call()
             except bytecount.CollectiveForbiddenError as err:
                 caught.append(str(err))
-    dist.all_reduce(torch.ones(2))  # works again afterwards
+    dist.all_reduce(torch.ones(2, device=device))  # works again afterwards
     return caught
 
 
@@ -93,10 +103,12 @@ def test_exact_counts_on_a_known_pattern():
 
 
 @pytest.mark.parametrize("world_size", [3])
-def test_ring_shift_counts_every_rank(world_size):
-    summaries = utils.launch(_ring_shift, 7, world_size=world_size, timeout=60)
-    for rank, s in enumerate(summaries):
+def test_batched_ring_shift_counts_every_rank(world_size):
+    results = utils.launch(_ring_shift, 7, world_size=world_size, timeout=60)
+    for rank, (s, incoming) in enumerate(results):
+        assert torch.equal(incoming, torch.full((7,), float((rank - 1) % 3), dtype=torch.float16)), rank
         assert (s["sent"], s["received"]) == (14, 14), rank
+        assert (s["by_op"]["isend"]["calls"], s["by_op"]["irecv"]["calls"]) == (1, 1), s["by_op"]
         assert s["by_peer"] == {(rank + 1) % 3: dict(sent=14, received=0),
                                 (rank - 1) % 3: dict(sent=0, received=14)}
 
@@ -146,7 +158,8 @@ def test_patches_nest_and_restore_in_either_order():
         with pytest.raises(bytecount.CollectiveForbiddenError):
             dist.all_reduce(torch.ones(1))
     with bytecount.count_bytes(), bytecount.forbid_collectives():
-        pass
+        # one wrapper under both names: P2POp and batch_isend_irecv compare op with c10d.isend by identity
+        assert dist.isend is c10d.isend and dist.irecv is c10d.irecv
     for name, fn in originals.items():
         assert getattr(dist, name) is fn, name
         assert getattr(c10d, name) is fn, name

@@ -2,8 +2,9 @@
 
 Two context managers, both active only in the process (rank) that enters them:
 
-- ``count_bytes()`` wraps the point-to-point calls (send, recv, isend, irecv) and the built-in collectives.
-  Point-to-point bytes are exact: the size of the tensor handed to the call. The counter cannot see inside
+- ``count_bytes()`` wraps the point-to-point calls (send, recv, isend, irecv — also when
+  ``dist.batch_isend_irecv`` makes them) and the built-in collectives. Point-to-point bytes are exact: the
+  size of the tensor handed to the call, on whatever device it lives. The counter cannot see inside
   a built-in collective, so for those it records a *nominal* volume: what the textbook algorithm named in
   ``NOMINAL_ALGORITHM`` moves per rank. The two are kept apart (``sent`` vs ``nominal_sent``).
 - ``forbid_collectives()`` makes every built-in collective raise ``CollectiveForbiddenError``, so code run
@@ -142,6 +143,9 @@ _inside = threading.local()  # guards against counting a call twice when one wra
 @contextlib.contextmanager
 def _patched(names, make_wrapper):
     saved = []
+    # One wrapper per function, installed under every module that holds it: ``dist.P2POp`` and
+    # ``dist.batch_isend_irecv`` check ``op`` against distributed_c10d's own ``isend``/``irecv`` by identity.
+    wrappers = {}
     try:
         for name in names:
             for module in _MODULES:
@@ -149,7 +153,9 @@ def _patched(names, make_wrapper):
                 if original is None:
                     continue
                 saved.append((module, name, original))
-                setattr(module, name, make_wrapper(name, original))
+                if (name, id(original)) not in wrappers:
+                    wrappers[name, id(original)] = make_wrapper(name, original)
+                setattr(module, name, wrappers[name, id(original)])
         yield
     finally:
         for module, name, original in reversed(saved):

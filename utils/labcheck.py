@@ -15,6 +15,9 @@ Lab 1 (labs/lab1_collectives.ipynb) checks, each printing one ✓ line per world
   check_halving_doubling(all_reduce)          all_reduce(tensor) -> the sum, by recursive halving-doubling
   check_cost_model(ring_time, halving_doubling_time, crossover_bytes)
 Chunks follow `tensor.tensor_split(N)`: chunk r goes to rank r; the first L % N chunks have one more element.
+
+The checks launch with backend "auto": gloo on CPUs, NCCL with one GPU per rank. The inputs they hand to the
+student's function live on the rank's device (`utils.device()`); results are compared on the CPU.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import bytecount
+from . import bytecount, launching
 from .checks import check
 from .launching import LaunchError, LaunchTimeout, launch
 
@@ -39,20 +42,23 @@ class LabCheckFailure(AssertionError):
 
 # ------------------------------------------------------------------ the generic harness
 
-def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TIMEOUT):
-    """`launch(rank_fn, *args)` on gloo, turning every failure into a `LabCheckFailure` that says what to do.
+def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TIMEOUT, backend: str = "auto"):
+    """`launch(rank_fn, *args)`, turning every failure into a `LabCheckFailure` that says what to do.
 
-    `what` names the student's function in the messages (e.g. "reduce_scatter").
+    `what` names the student's function in the messages (e.g. "reduce_scatter"). backend "auto" runs on NCCL
+    when every rank can have its own GPU, else on gloo.
     """
     try:
-        return launch(rank_fn, *args, world_size=world_size, backend="gloo", timeout=timeout)
+        return launch(rank_fn, *args, world_size=world_size, backend=backend, timeout=timeout)
     except LaunchTimeout as err:
         where = _without_harness_frames(
             str(err).split("Where each rank is stuck (most recent call last):", 1)[-1].strip())
         raise LabCheckFailure(
             f"✗ {what} at N={world_size}: no result after {timeout:g} s: likely a deadlock (every rank "
             "is waiting for another). Usual causes: every rank calls a blocking dist.send before its "
-            "dist.recv (use dist.isend, or let even ranks send first and odd ranks receive first); "
+            "dist.recv (post the send and the receive together as one dist.batch_isend_irecv, like "
+            "exchange() does, or let even ranks send first and odd ranks receive first; on NCCL an "
+            "isend followed by a recv can hang the same way); "
             "a send without a matching recv (check the peer ranks, that no peer is ≥ N, and that both "
             "sides agree on the chunk sizes).\n"
             f"Where each rank was waiting (most recent call last):\n{where}") from None
@@ -68,6 +74,11 @@ def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TI
             raise LabCheckFailure(
                 f"✗ {what} called the built-in collective {call}: implement it with dist.send, dist.recv, "
                 "dist.isend and dist.irecv only.") from None
+        if "Tensors must be CUDA" in report:
+            raise LabCheckFailure(
+                f"✗ {what} at N={world_size} handed a CPU tensor to NCCL, which moves GPU tensors only: "
+                "create every buffer on the input's device (torch.empty_like(tensor), or "
+                "torch.empty(..., device=tensor.device)).\n" + report) from None
         raise LabCheckFailure(f"✗ {what} failed at N={world_size}:\n{report}") from None
 
 
@@ -144,6 +155,7 @@ def _compare_result(got, expected, rank, label):
 def _run_cases(kind, fn, cases):
     """Run the student's `fn` on this rank for every case; return (problems, byte summaries)."""
     rank, n = dist.get_rank(), dist.get_world_size()
+    device = launching.device()  # cuda:<rank> under NCCL, else the CPU
     problems, summaries = [], []
     for length, dtype, seed in cases:
         inputs = [rank_input(length, dtype, seed, r) for r in range(n)]  # every rank can build everyone's
@@ -152,19 +164,19 @@ def _run_cases(kind, fn, cases):
         start, stop = bounds[rank]
         label = f"length {length}, {str(dtype).replace('torch.', '')}"
         if kind == "reduce_scatter":
-            argument = (inputs[rank].clone(),)
+            argument = (inputs[rank].to(device, copy=True),)
             expected = total[start:stop]
         elif kind == "all_gather":
-            argument = (total[start:stop].clone(), length)  # rank r holds chunk r of a known tensor
+            argument = (total[start:stop].to(device, copy=True), length)  # chunk r of a known tensor
             expected = total
         else:
-            argument = (inputs[rank].clone(),)
+            argument = (inputs[rank].to(device, copy=True),)
             expected = total
         with bytecount.count_bytes() as counter, bytecount.forbid_collectives():
             got = fn(*argument)
         summaries.append(counter.summary())
         if isinstance(got, torch.Tensor):
-            got = got.detach().cpu()
+            got = got.detach().cpu()  # compare on the CPU, whatever device the ranks use
         bad = _compare_result(got, expected, rank, label)
         if not bad and not torch.equal(got, expected):
             bad = [_diagnose(kind, got, expected, total, inputs[rank], bounds, rank, label)]

@@ -309,6 +309,9 @@ class _Launch:
         env = dict(os.environ)  # what the student set in the notebook, for torch inside the ranks
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        # With device_id set, torch warns once per rank that single send/recv calls are serialised;
+        # lessons that use them do so on purpose, and the warning would land on stderr.
+        env.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
         for rank in range(self.world_size):
             result_recv, result_send = ctx.Pipe(duplex=False)
             control_recv, control_send = ctx.Pipe(duplex=False)
