@@ -94,7 +94,7 @@ def pipelined_ring_all_reduce(tensor, piece_bytes=1 << 20):
 
 def _time_all(sizes_mb, reps, warmup, piece_bytes):
     device = utils.device()
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     variants = {
         "ring (plain)": ring_all_reduce,
         "ring (pipelined)": lambda t: pipelined_ring_all_reduce(t, piece_bytes),

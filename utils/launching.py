@@ -27,7 +27,6 @@ import inspect
 import io
 import linecache
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import re
@@ -49,7 +48,7 @@ import torch.distributed as dist
 BACKENDS = ("auto", "gloo", "nccl")
 _RANK_MARKER = "COURSE_LAUNCHED_RANK"  # set inside ranks that launch() started
 _PEER_LOSS = ("Connection closed by peer", "Connection reset", "Broken pipe", "ECONNRESET",
-              "Socket closed", "Connection refused", "SIGTERM")
+              "Socket closed", "Connection refused")  # how gloo says "another rank went away"
 
 
 class LaunchError(RuntimeError):
