@@ -386,7 +386,8 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
         return (dist.get_rank(), t.item() * x, os.getpid())
     if __name__ == "__main__":
         results = utils.launch(work, 10, world_size=99)  # torchrun decides the world size
-        print(f"RANK {os.environ['RANK']} sees {results} own pid {os.getpid()}")
+        line = f"RANK {os.environ['RANK']} sees {results} own pid {os.getpid()}\\n"
+        os.write(1, line.encode())  # one write per line: both ranks share torchrun's stdout
 """)
 
 

@@ -51,8 +51,7 @@ def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TI
     try:
         return launch(rank_fn, *args, world_size=world_size, backend=backend, timeout=timeout)
     except LaunchTimeout as err:
-        where = _without_harness_frames(
-            str(err).split("Where each rank is stuck (most recent call last):", 1)[-1].strip())
+        where = str(err).split("Where each rank is stuck (most recent call last):", 1)[-1].strip()
         raise LabCheckFailure(
             f"✗ {what} at N={world_size}: no result after {timeout:g} s: likely a deadlock (every rank "
             "is waiting for another). Usual causes: every rank calls a blocking dist.send before its "
@@ -80,19 +79,6 @@ def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TI
                 "create every buffer on the input's device (torch.empty_like(tensor), or "
                 "torch.empty(..., device=tensor.device)).\n" + report) from None
         raise LabCheckFailure(f"✗ {what} failed at N={world_size}:\n{report}") from None
-
-
-def _without_harness_frames(stacks: str) -> str:
-    """A stack report without the frames of this module and of the byte counter (they are not the student's)."""
-    kept, skipping = [], False
-    for line in stacks.splitlines():
-        if line.startswith("  File "):
-            skipping = "utils/labcheck.py" in line or "utils/bytecount.py" in line
-        elif not line.startswith("    "):
-            skipping = False  # a "rank N:" header
-        if not skipping:
-            kept.append(line)
-    return "\n".join(kept)
 
 
 def _report(what, world_size, problems, note="", limit=5):

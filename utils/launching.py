@@ -577,9 +577,6 @@ class _Launch:
             lines.append(f"the other ranks were stopped: {', '.join(map(str, stopped))}")
         return LaunchError("\n".join(lines)), sorted(culprits)
 
-    def __repr__(self):
-        return f"<launch of {self.world_size} ranks on {self.backend}>"
-
 
 # ---------------------------------------------------------------- the rank side
 
@@ -683,7 +680,9 @@ def short_path(path: str) -> str:
     return path
 
 
-_PLUMBING = ("utils/launching.py", "utils/magic.py", "multiprocessing", "<string>")
+# Frames of the course's plumbing (launcher, cell magic, byte counter, lab-check harness): not the student's.
+_PLUMBING = ("utils/launching.py", "utils/magic.py", "utils/bytecount.py", "utils/labcheck.py",
+             "multiprocessing", "<string>")
 
 
 def format_frames(frames, source_files=None) -> str:
