@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import importlib
 import inspect
 import io
@@ -183,6 +184,9 @@ def _run_under_torchrun(fn, args, kwargs, backend):
         return results
     finally:
         if created:
+            # A DDP module that fn built is garbage in a reference cycle that still holds the
+            # group; freed only at interpreter exit, gloo's threads then abort the process.
+            gc.collect()
             dist.destroy_process_group()
 
 
