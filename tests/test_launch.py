@@ -408,6 +408,36 @@ def test_under_torchrun_launch_runs_in_process(tmp_path):
         assert own_pid in [p for _, _, p in results]  # fn ran in this very process
 
 
+GARBAGE_SCRIPT = textwrap.dedent("""
+    import gc, torch, utils, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    def train():
+        model = DDP(torch.nn.Linear(4, 4))  # DDP objects sit in reference cycles
+        model(torch.ones(2, 4)).sum().backward()
+    gc.disable()  # only an explicit collection may free them
+    utils.launch(train, world_size=1)
+    print("DDP objects alive:", sum(isinstance(o, DDP) for o in gc.get_objects()))
+""")
+
+
+def test_under_torchrun_nothing_outlives_the_group():
+    # A DDP module left in a cycle keeps the gloo group alive until interpreter exit, where gloo's
+    # threads abort the process now and then (SIGABRT after a successful run).
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
+    out = subprocess.run([PYTHON, "-c", GARBAGE_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "DDP objects alive: 0" in out.stdout, out.stdout
+
+
+def _free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_failure_report_carries_the_culprits_stderr_and_nothing_reaches_stderr(capfd):
     def fail():
         rank = dist.get_rank()
