@@ -87,6 +87,23 @@ def _forbidden_inside_launch():
     return caught
 
 
+def _send_to_missing_peers():
+    """Each way of naming a peer that does not exist: refused with a ValueError before gloo sees it."""
+    rank, n, device = dist.get_rank(), dist.get_world_size(), utils.device()
+    messages = []
+    with bytecount.count_bytes() as counter:
+        for call in (lambda: dist.send(torch.ones(1, device=device), n),
+                     lambda: dist.isend(torch.ones(1, device=device), dst=-1),
+                     lambda: dist.irecv(torch.ones(1, device=device), group_src=n + 5),
+                     lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(1, device=device),
+                                                                rank + n)])):
+            try:
+                call()
+            except ValueError as err:
+                messages.append(str(err))
+    return messages, counter.summary()["messages_sent"]
+
+
 # ------------------------------------------------------------------ tests
 
 def test_exact_counts_on_a_known_pattern():
@@ -111,6 +128,15 @@ def test_batched_ring_shift_counts_every_rank(world_size):
         assert (s["by_op"]["isend"]["calls"], s["by_op"]["irecv"]["calls"]) == (1, 1), s["by_op"]
         assert s["by_peer"] == {(rank + 1) % 3: dict(sent=14, received=0),
                                 (rank - 1) % 3: dict(sent=0, received=14)}
+
+
+def test_a_peer_that_does_not_exist_is_a_clear_error():
+    for rank, (messages, sent) in enumerate(utils.launch(_send_to_missing_peers, world_size=2, timeout=60)):
+        assert len(messages) == 4 and sent == 0, messages  # every call refused, nothing went out
+        assert messages[0].startswith("dist.send with dst=2: there is no rank 2, the ranks are 0 … 1")
+        assert "dst=-1: there is no rank -1" in messages[1]
+        assert "src=7: there is no rank 7" in messages[2]
+        assert f"dst={rank + 2}: there is no rank {rank + 2}" in messages[3]
 
 
 def test_builtin_collectives_are_nominal_and_counted_once():

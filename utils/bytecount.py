@@ -7,6 +7,8 @@ Two context managers, both active only in the process (rank) that enters them:
   size of the tensor handed to the call, on whatever device it lives. The counter cannot see inside
   a built-in collective, so for those it records a *nominal* volume: what the textbook algorithm named in
   ``NOMINAL_ALGORITHM`` moves per rank. The two are kept apart (``sent`` vs ``nominal_sent``).
+  A point-to-point call naming a rank that does not exist raises a ``ValueError`` that says so (gloo
+  itself may hang or crash on one).
 - ``forbid_collectives()`` makes every built-in collective raise ``CollectiveForbiddenError``, so code run
   inside it provably communicates through point-to-point calls only.
 
@@ -200,6 +202,20 @@ def _nominal_volume(name, bound):
     return (n - 1) * m // n, (n - 1) * m // n
 
 
+def _check_peer(name, bound):
+    """Raise a clear ValueError for a peer rank that does not exist (gloo may crash or hang on one)."""
+    key = "dst" if name in ("send", "isend") else "src"
+    if bound.arguments.get(key) is not None:
+        peer, size = bound.arguments[key], dist.get_world_size()
+    elif bound.arguments.get("group_" + key) is not None:
+        peer, size = bound.arguments["group_" + key], dist.get_world_size(bound.arguments.get("group"))
+    else:
+        return  # recv from any source
+    if not 0 <= peer < size:
+        raise ValueError(f"dist.{name} with {key}={peer}: there is no rank {peer}, the ranks are "
+                         f"0 … {size - 1}. Check how the peer rank is computed (a missing % N?).")
+
+
 def _counting_wrapper(name, original):
     signature = inspect.signature(original)
 
@@ -207,12 +223,14 @@ def _counting_wrapper(name, original):
     def wrapper(*args, **kwargs):
         if getattr(_inside, "depth", 0) or not _active_counters:
             return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        if name in POINT_TO_POINT:
+            _check_peer(name, bound)
         _inside.depth = 1
         try:
             result = original(*args, **kwargs)
         finally:
             _inside.depth = 0
-        bound = signature.bind(*args, **kwargs)
         if name in POINT_TO_POINT:
             nbytes = tensor_bytes(bound.arguments["tensor"])
             sending = name in ("send", "isend")
