@@ -202,18 +202,20 @@ def _nominal_volume(name, bound):
     return (n - 1) * m // n, (n - 1) * m // n
 
 
-def _check_peer(name, bound):
-    """Raise a clear ValueError for a peer rank that does not exist (gloo may crash or hang on one)."""
-    key = "dst" if name in ("send", "isend") else "src"
-    if bound.arguments.get(key) is not None:
-        peer, size = bound.arguments[key], dist.get_world_size()
-    elif bound.arguments.get("group_" + key) is not None:
-        peer, size = bound.arguments["group_" + key], dist.get_world_size(bound.arguments.get("group"))
-    else:
-        return  # recv from any source
+def _existing_peer(name, bound, key):
+    """The peer of a point-to-point call (None: any source); a ValueError if no such rank exists.
+
+    gloo may crash or hang on a peer outside the group, so the mistake is named before the call.
+    """
+    peer = _peer(bound, key)
+    if peer is None:
+        return None
+    # dst/src are global ranks; group_dst/group_src count within the group
+    size = dist.get_world_size(None if bound.arguments.get(key) is not None else bound.arguments.get("group"))
     if not 0 <= peer < size:
         raise ValueError(f"dist.{name} with {key}={peer}: there is no rank {peer}, the ranks are "
                          f"0 … {size - 1}. Check how the peer rank is computed (a missing % N?).")
+    return peer
 
 
 def _counting_wrapper(name, original):
@@ -224,8 +226,9 @@ def _counting_wrapper(name, original):
         if getattr(_inside, "depth", 0) or not _active_counters:
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
+        sending = name in ("send", "isend")
         if name in POINT_TO_POINT:
-            _check_peer(name, bound)
+            peer = _existing_peer(name, bound, "dst" if sending else "src")
         _inside.depth = 1
         try:
             result = original(*args, **kwargs)
@@ -233,8 +236,6 @@ def _counting_wrapper(name, original):
             _inside.depth = 0
         if name in POINT_TO_POINT:
             nbytes = tensor_bytes(bound.arguments["tensor"])
-            sending = name in ("send", "isend")
-            peer = _peer(bound, "dst" if sending else "src")
             if name == "recv" and peer is None:
                 peer = result  # recv from any source returns the sender's rank
             for counter in _active_counters:

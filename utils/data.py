@@ -84,8 +84,8 @@ class MarkovSource:
         A[-1, :] = 1.0                                                 # replace one equation by sum(pi) = 1
         b = np.zeros(n)
         b[-1] = 1.0
-        pi = np.linalg.solve(A, b)
-        return torch.from_numpy(np.clip(pi, 0.0, None) / np.clip(pi, 0.0, None).sum())
+        pi = np.clip(np.linalg.solve(A, b), 0.0, None)                # rounding may leave -1e-17
+        return torch.from_numpy(pi / pi.sum())
 
     def conditional_entropies(self, seq_len: int) -> list[float]:
         """Exact best loss (nats) at each of the ``seq_len`` prediction positions.

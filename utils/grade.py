@@ -45,8 +45,9 @@ from pathlib import Path
 
 import nbformat
 
-from .release import (LabFormatError, check_lab, is_graded_test_cell, is_solution_cell, lab_notebooks,
-                      nbgrader_meta, read_notebook, student_source, write_notebook)
+from .release import (LabFormatError, check_lab, clear_notebook_run, clear_run, is_graded_test_cell,
+                      is_solution_cell, lab_notebooks, nbgrader_meta, read_notebook, student_source,
+                      write_notebook)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TIMEOUT = 600.0        # seconds per submission, kernel start included
@@ -172,9 +173,7 @@ def _restorable(cell) -> bool:
 
 def _fresh(cell):
     cell = copy.deepcopy(cell)
-    cell.metadata.pop("execution", None)
-    if cell.cell_type == "code":
-        cell.outputs, cell.execution_count = [], None
+    clear_run(cell)
     return cell
 
 
@@ -230,8 +229,7 @@ def prepare(submitted, lab: Lab) -> tuple:
         cell["id"] = f"cell-{i}"  # unique ids whatever the student copied
     prepared = nbformat.v4.new_notebook(metadata=copy.deepcopy(lab.nb.metadata))
     prepared.cells = cells
-    for key in ("papermill", "widgets"):
-        prepared.metadata.pop(key, None)
+    clear_notebook_run(prepared)
     return prepared, notes
 
 

@@ -91,6 +91,12 @@ def _report(what, world_size, problems, note="", limit=5):
 
 # ------------------------------------------------------------------ inputs and diagnostics
 
+def power_of_two_below(n: int) -> tuple[int, int]:
+    """(p, log2 p) for p the largest power of two ≤ n: the ranks halving-doubling runs on."""
+    p = 1 << (n.bit_length() - 1)
+    return p, p.bit_length() - 1
+
+
 def chunk_bounds(length: int, n: int) -> list[tuple[int, int]]:
     """[(start, stop)] of the n chunks of `tensor.tensor_split(n)` for a tensor of `length` elements."""
     base, extra = divmod(length, n)
@@ -204,7 +210,7 @@ def _check_bytes(what, n, cases, per_rank, expected_fn):
     Only lengths that every chunking divides evenly are checked (a multiple of N and of the largest power
     of two ≤ N): there the formulas are exact whichever way a correct solution splits uneven lengths.
     """
-    p = 1 << (n.bit_length() - 1)
+    p, _ = power_of_two_below(n)
     problems = []
     for index, (length, dtype, _) in enumerate(cases):
         if length % math.lcm(n, p) != 0:
@@ -237,8 +243,8 @@ def halving_doubling_bytes(rank: int, n: int, nbytes: int) -> dict:
     tensor to the odd one (M) and later receives the sum back (M); the p remaining ranks do halving
     (reduce-scatter, log2 p steps) and doubling (all-gather, log2 p steps), moving 2(p-1)/p × M.
     """
-    p = 1 << (n.bit_length() - 1)
-    extra, steps = n - p, p.bit_length() - 1
+    p, steps = power_of_two_below(n)
+    extra = n - p
     core = 2 * (p - 1) * nbytes // p
     if rank < 2 * extra and rank % 2 == 0:
         return dict(sent=nbytes, received=nbytes, max_messages=1, why="folded rank: M out, M back",
@@ -307,8 +313,7 @@ def _reference_ring_time(n, nbytes, alpha, beta):
 
 
 def _reference_hd_time(n, nbytes, alpha, beta):
-    p = 1 << (n.bit_length() - 1)
-    steps = p.bit_length() - 1
+    p, steps = power_of_two_below(n)
     time = 2 * steps * alpha + 2 * (p - 1) / p * nbytes * beta
     if n > p:
         time += 2 * (alpha + nbytes * beta)  # fold in and hand back: a whole tensor each way
@@ -316,8 +321,7 @@ def _reference_hd_time(n, nbytes, alpha, beta):
 
 
 def _reference_crossover(n, alpha, beta):
-    p = 1 << (n.bit_length() - 1)
-    steps = p.bit_length() - 1
+    p, steps = power_of_two_below(n)
     fold = 1 if n > p else 0
     latency_saved = 2 * (n - 1) - 2 * steps - 2 * fold                 # in units of α
     bandwidth_lost = 2 * (p - 1) / p + 2 * fold - 2 * (n - 1) / n        # in units of β × M
@@ -326,7 +330,8 @@ def _reference_crossover(n, alpha, beta):
     return max(0.0, latency_saved * alpha / (bandwidth_lost * beta))
 
 
-COST_CASES = [(n, nbytes, 5e-6, 1 / 100e9) for n in (2, 3, 4, 5, 6, 7, 8, 12, 1000, 1024)
+COST_WORLD_SIZES = (2, 3, 4, 5, 6, 7, 8, 12, 1000, 1024)
+COST_CASES = [(n, nbytes, 5e-6, 1 / 100e9) for n in COST_WORLD_SIZES
               for nbytes in (1e3, 1e6, 25 * 2**20, 1e9)] + [(4, 64 * 2**20, 50e-6, 1 / 2e9)]
 
 
@@ -359,7 +364,7 @@ def check_cost_model(ring_time, halving_doubling_time, crossover_bytes, cases=No
                     f"✗ {fn.__name__}(n={n}, nbytes={nbytes:g}, alpha={alpha:g}, beta={beta:g}) = {got!r}, "
                     f"expected {want:.6g} s ({hint})")
         check(True, f"{fn.__name__} matches the α-β model on {len(cases)} cases")
-    for n in (2, 3, 4, 5, 6, 7, 8, 12, 1000, 1024):
+    for n in COST_WORLD_SIZES:
         alpha, beta = 5e-6, 1 / 100e9
         try:
             got = crossover_bytes(n, alpha, beta)

@@ -62,10 +62,13 @@ class LaunchTimeout(LaunchError):
 
 # ---------------------------------------------------------------- choosing backend and device
 
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def backend_for(world_size: int) -> str:
     """'nccl' when every rank can have its own CUDA GPU, otherwise 'gloo'."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "nccl" if 0 < world_size <= gpus else "gloo"
+    return "nccl" if 0 < world_size <= _gpu_count() else "gloo"
 
 
 def device() -> torch.device:
@@ -89,7 +92,7 @@ def default_threads(world_size: int) -> int:
 def describe(world_size: int = 4) -> None:
     """Print which backend and devices a launch of `world_size` ranks will use here."""
     backend = backend_for(world_size)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _gpu_count()
     if backend == "nccl":
         where = f"one CUDA GPU per rank (cuda:0 … cuda:{world_size - 1})"
     elif gpus:
@@ -158,7 +161,7 @@ def _check_arguments(fn, world_size, backend, timeout, threads):
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)} "
                          "('auto' picks nccl with one GPU per rank, else gloo).")
     if backend == "nccl":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = _gpu_count()
         if world_size > gpus:
             raise ValueError(f"backend 'nccl' needs one CUDA GPU per rank: {world_size} ranks, {gpus} "
                              "GPU(s) here. Use backend='gloo' (or 'auto'), or fewer ranks.")
@@ -295,11 +298,11 @@ class _Launch:
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
-        self.store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], self.world_size,
+        self.store_port = listener.getsockname()[1]
+        self.store = dist.TCPStore("127.0.0.1", self.store_port, self.world_size,
                                    is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=max(self.timeout, 30)),
                                    master_listen_fd=listener.fileno())
-        self.store_port = listener.getsockname()[1]
         listener.detach()  # the store owns the socket now and closes it when it is deleted
         self.output_server = socket.socket()
         self.output_server.bind(("127.0.0.1", 0))
@@ -321,7 +324,7 @@ class _Launch:
             spec = dict(rank=rank, world_size=self.world_size, backend=self.backend,
                         store_port=self.store_port,
                         output_port=self.output_server.getsockname()[1],
-                        stack_file=os.path.join(self.tmp.name, f"stack-{rank}.txt"),
+                        stack_file=self._stack_path(rank),
                         threads=self.threads, env=env, timeout=self.timeout, payload=payload)
             proc = ctx.Process(target=_rank_main, args=(spec, result_send, control_recv),
                                name=f"rank-{rank}", daemon=True)
@@ -501,16 +504,20 @@ class _Launch:
                 return
             sizes = now
 
+    def _stack_path(self, rank):
+        """Where rank `rank`'s faulthandler writes its stacks."""
+        return os.path.join(self.tmp.name, f"stack-{rank}.txt")
+
     def _stack_file_size(self, rank):
         try:
-            return os.path.getsize(os.path.join(self.tmp.name, f"stack-{rank}.txt"))
+            return os.path.getsize(self._stack_path(rank))
         except OSError:
             return 0
 
     def _read_stack_file(self, rank):
         """This rank's Python stack(s) as faulthandler wrote them, tidied; '' if none."""
         try:
-            with open(os.path.join(self.tmp.name, f"stack-{rank}.txt"), errors="replace") as f:
+            with open(self._stack_path(rank), errors="replace") as f:
                 text = f.read()
         except OSError:
             return ""
@@ -533,9 +540,8 @@ class _Launch:
         for conn in self.control_conns + list(self.result_conns.values()) + self.sockets:
             conn.close()
         self.selector.close()
-        for sock in (getattr(self, "output_server", None),):
-            if sock is not None:
-                sock.close()
+        if getattr(self, "output_server", None) is not None:
+            self.output_server.close()
         if getattr(self, "store", None) is not None:
             del self.store
         for proc in self.procs:
@@ -575,8 +581,7 @@ class _Launch:
                 lines.append(f"rank {rank} also failed: " +
                              (first_line[:157] + "..." if len(first_line) > 160 else first_line))
         # Ranks that only lost a peer, or were still running, were stopped because of the above.
-        stopped = sorted(set(range(self.world_size)) - set(self.results) - {ranks[0]} -
-                         {r for r in ranks[1:] if not self._is_peer_loss(r)})
+        stopped = sorted(set(range(self.world_size)) - set(self.results) - set(culprits))
         if stopped:
             lines.append(f"the other ranks were stopped: {', '.join(map(str, stopped))}")
         return LaunchError("\n".join(lines)), sorted(culprits)

@@ -36,11 +36,16 @@ def names_used(source: str) -> set:
     return names
 
 
+def ends_with_expression(tree: ast.Module) -> bool:
+    """Whether a cell's last statement is an expression (Jupyter then shows its value)."""
+    return bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
+
+
 def run_cell_source(source: str, namespace: dict):
     """Execute a cell's source in `namespace`; return the last expression's value, if any."""
     linecache.cache[_CELL_FILE] = (len(source), None, source.splitlines(True), _CELL_FILE)
     tree = ast.parse(source)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    last = tree.body.pop() if ends_with_expression(tree) else None
     exec(compile(tree, _CELL_FILE, "exec"), namespace)
     if last is None:
         return None
@@ -73,7 +78,4 @@ class DistributedMagics(Magics):
         results = launch(run_cell_source, cell, namespace, world_size=args.world_size,
                          backend=args.backend, timeout=args.timeout)
         user_ns[args.out] = results
-        tree = ast.parse(cell)
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            return results
-        return None
+        return results if ends_with_expression(ast.parse(cell)) else None

@@ -172,19 +172,28 @@ def check_lab(nb, name: str = "lab") -> list[tuple[str, int]]:
     return parts
 
 
+def clear_run(cell) -> None:
+    """Remove what running a cell left in it: outputs, execution count, timings."""
+    cell.metadata.pop("execution", None)  # run timings left by papermill / nbclient
+    cell.metadata.pop("papermill", None)
+    if cell.cell_type == "code":
+        cell.outputs, cell.execution_count = [], None
+
+
+def clear_notebook_run(nb) -> None:
+    """Remove the notebook-level metadata a run leaves (papermill's record, widget state)."""
+    for key in ("papermill", "widgets"):
+        nb.metadata.pop(key, None)
+
+
 def student_copy(nb, name: str = "lab") -> nbformat.NotebookNode:
     """The student version of a lab notebook (the input is left unchanged)."""
     check_lab(nb, name)
     released = copy.deepcopy(nb)
     for index, cell in enumerate(released.cells):
         cell.source = student_source(cell, f"{name}, cell {index}")
-        cell.metadata.pop("execution", None)  # run timings left by papermill / nbclient
-        cell.metadata.pop("papermill", None)
-        if cell.cell_type == "code":
-            cell.outputs = []
-            cell.execution_count = None
-    for key in ("papermill", "widgets"):
-        released.metadata.pop(key, None)
+        clear_run(cell)
+    clear_notebook_run(released)
     leftovers = [i for i, cell in enumerate(released.cells) if _MARKER_WORDS.search(cell.source)]
     assert not leftovers, f"{name}: markers left in cells {leftovers}"
     return released

@@ -39,7 +39,7 @@ def span(name: str, kind: str = "compute", cuda_sync: bool = False):
         if cuda_sync:
             import torch
             torch.cuda.synchronize()
-        _spans.append({"name": name, "kind": kind, "start": start, "end": now(), "rank": _rank()})
+        record(name, start, now(), kind)
 
 
 def record(name: str, start: float, end: float, kind: str = "compute") -> None:
