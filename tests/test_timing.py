@@ -1,0 +1,41 @@
+"""utils.timing: rotated interleaving, spread, and verdicts that refuse to read noise."""
+from collections import Counter
+
+import pytest
+
+from utils.timing import Spread, compare, rotated_rounds, separated
+
+
+def test_every_variant_runs_in_every_position_equally_often():
+    names = ["a", "b", "c"]
+    rounds = list(rotated_rounds(names, repeats=6, warmup=1))
+    assert len(rounds) == 3 * 7
+    assert [rep for rep, _ in rounds[:3]] == [-1, -1, -1]          # the warm-up round comes first
+    kept = [name for rep, name in rounds if rep >= 0]
+    positions = Counter((i % 3, name) for i, name in enumerate(kept))
+    assert set(positions.values()) == {2}                           # 6 rounds / 3 positions, each name
+
+
+def test_spread_quartiles_and_small_samples():
+    s = Spread.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.median, s.q1, s.q3, s.low, s.high, s.count) == (3.0, 2.0, 4.0, 1.0, 5.0, 5)
+    small = Spread.of([2.0, 1.0])
+    assert (small.q1, small.q3) == (1.0, 2.0)
+    assert "IQR 2–4" in s.format(scale=1, unit="s")
+    with pytest.raises(ValueError):
+        Spread.of([])
+
+
+def test_overlapping_spreads_are_no_measurable_difference():
+    a = [1.0, 1.1, 1.2, 1.3, 1.4]
+    b = [1.15, 1.25, 1.35, 1.45, 1.55]                               # medians differ, IQRs overlap
+    assert not separated(a, b)
+    assert "no measurable difference here" in compare(a, b, "x", "y")
+
+
+def test_separated_spreads_name_the_faster_variant():
+    a = [2.0, 2.1, 2.2, 2.3]
+    b = [1.0, 1.05, 1.1, 1.2]
+    assert separated(a, b)
+    verdict = compare(a, b, "slow one", "fast one")
+    assert verdict.startswith("fast one is 2") and "faster than slow one" in verdict

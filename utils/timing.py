@@ -1,0 +1,83 @@
+"""Timings a reader can trust: variants interleaved, spread kept, differences judged against the spread.
+
+On a shared machine one timing scatters by tens of percent, and whatever runs first or second in a
+sequence can be systematically favoured (caches, CPU frequency, another process waking up). So:
+
+    for rep, name in rotated_rounds(["ring", "pipelined"], repeats=7):
+        t = measure(name)                      # however the caller times one run
+        if rep >= 0:                           # negative reps are warm-up rounds: not kept
+            samples[name].append(t)
+    Spread.of(samples["ring"])                 # median, quartiles, min, max
+    compare(samples["ring"], samples["pipelined"], "ring", "pipelined")
+        → "pipelined is 1.8× faster than ring" or "no measurable difference here (…)"
+
+A verdict computed from timings changes between runs: print it in a cell nbval ignores, and let the
+lesson's prose say what to look for, not which way it went.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Iterator, NamedTuple, Sequence
+
+
+def rotated_rounds(names: Sequence[str], repeats: int, warmup: int = 1) -> Iterator[tuple[int, str]]:
+    """Yield (repetition, name): each round runs every variant once, each round starting one variant later.
+
+    The first `warmup` rounds come with negative repetition numbers: run them, do not keep them.
+    Over len(names) rounds every variant runs in every position equally often, so an order effect
+    spreads over all variants instead of favouring one.
+    """
+    names = list(names)
+    for round_ in range(-warmup, repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            yield round_, name
+
+
+class Spread(NamedTuple):
+    """Summary of repeated timings: median, quartiles (q1, q3), min and max, and the count."""
+    median: float
+    q1: float
+    q3: float
+    low: float
+    high: float
+    count: int
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Spread":
+        """The spread of `samples` (at least one). Quartiles need 4 samples; below that they are min and max."""
+        xs = sorted(samples)
+        if not xs:
+            raise ValueError("Spread.of needs at least one sample")
+        if len(xs) >= 4:
+            q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+        else:
+            q1, q3 = xs[0], xs[-1]
+        return cls(statistics.median(xs), q1, q3, xs[0], xs[-1], len(xs))
+
+    def format(self, scale: float = 1e3, unit: str = "ms", digits: int = 3) -> str:
+        """'1.23 ms (IQR 1.10–1.40, min–max 1.02–1.91, n=7)', values multiplied by `scale`."""
+        f = lambda v: f"{v * scale:.{digits}g}"
+        return (f"{f(self.median)} {unit} (IQR {f(self.q1)}–{f(self.q3)}, "
+                f"min–max {f(self.low)}–{f(self.high)}, n={self.count})")
+
+
+def separated(a: Sequence[float], b: Sequence[float]) -> bool:
+    """True when the interquartile ranges of `a` and `b` do not overlap (min–max below 4 samples)."""
+    sa, sb = Spread.of(a), Spread.of(b)
+    return sa.q3 < sb.q1 or sb.q3 < sa.q1
+
+
+def compare(a: Sequence[float], b: Sequence[float], name_a: str, name_b: str) -> str:
+    """One sentence on two sets of timings (lower is faster), honest about noise.
+
+    'name_b is 1.8× faster than name_a (medians …)' only when their interquartile ranges are apart;
+    otherwise 'no measurable difference here'.
+    """
+    sa, sb = Spread.of(a), Spread.of(b)
+    detail = f"medians {sa.median * 1e3:.3g} vs {sb.median * 1e3:.3g} ms"
+    if not separated(a, b):
+        return f"{name_a} vs {name_b}: no measurable difference here ({detail}; the spreads overlap)"
+    fast, slow = (name_a, name_b) if sa.median < sb.median else (name_b, name_a)
+    ratio = max(sa.median, sb.median) / min(sa.median, sb.median)
+    return f"{fast} is {ratio:.2g}× faster than {slow} ({detail}; the spreads do not overlap)"
