@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: install
-	$(PY) -m utils.runner lessons --out build
+	$(PY) -m utils.tools.run lessons --out build
 
 test: install
 	$(PY) -m pytest tests lessons labs --nbval --nbval-current-env \
@@ -30,10 +30,10 @@ lab: install
 	$(PY) -m jupyter lab
 
 release: install
-	$(PY) -m utils.release labs --out release
+	$(PY) -m utils.tools.release labs --out release
 
 grade: install
-	$(PY) -m utils.grade $(SUBMISSIONS) --out build/grades
+	$(PY) -m utils.tools.grade $(SUBMISSIONS) --out build/grades
 
 benchmarks: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

@@ -1,4 +1,4 @@
-"""utils.labcheck on lab 1: the reference solution passes; wrong solutions fail with a useful message.
+"""utils.labchecks.lab1: the reference solution passes; wrong solutions fail with a useful message.
 
 The reference solutions are read from labs/lab1_collectives.ipynb (its solution cells and the `exchange`
 helper they use), so the lab and these tests cannot drift apart. Wrong solutions are written here, each with
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import utils
-from utils import labcheck
-from utils.labcheck import LabCheckFailure
+from utils.labchecks import harness, lab1
+from utils.labchecks.harness import LabCheckFailure
 
 # Ship this module's functions by value, exactly as functions defined in a notebook cell travel.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -75,10 +75,10 @@ def _fails(match, check, *args, **kwargs):
 # ------------------------------------------------------------------ the reference passes everything
 
 def test_reference_solution_passes_every_check(reference, capsys):
-    labcheck.check_reduce_scatter(reference["reduce_scatter"])
-    labcheck.check_all_gather(reference["all_gather"])
-    labcheck.check_halving_doubling(reference["all_reduce_halving_doubling"], world_sizes=(2, 3, 4, 5, 6, 8))
-    labcheck.check_cost_model(reference["ring_time"], reference["halving_doubling_time"],
+    lab1.check_reduce_scatter(reference["reduce_scatter"])
+    lab1.check_all_gather(reference["all_gather"])
+    lab1.check_halving_doubling(reference["all_reduce_halving_doubling"], world_sizes=(2, 3, 4, 5, 6, 8))
+    lab1.check_cost_model(reference["ring_time"], reference["halving_doubling_time"],
                               reference["crossover_bytes"])
     printed = capsys.readouterr().out
     for n in (2, 3, 4):
@@ -88,13 +88,13 @@ def test_reference_solution_passes_every_check(reference, capsys):
 def test_student_copy_fails_fast_with_not_implemented(reference):
     stub = _solution_namespace(student=True)
     started = time.monotonic()
-    for check, fn in ((labcheck.check_reduce_scatter, stub["reduce_scatter"]),
-                      (labcheck.check_all_gather, stub["all_gather"]),
-                      (labcheck.check_halving_doubling, stub["all_reduce_halving_doubling"])):
+    for check, fn in ((lab1.check_reduce_scatter, stub["reduce_scatter"]),
+                      (lab1.check_all_gather, stub["all_gather"]),
+                      (lab1.check_halving_doubling, stub["all_reduce_halving_doubling"])):
         _fails(r"not implemented yet.*NotImplementedError", check, fn, timeout=20)
-    _fails(r"ring_time is not implemented yet", labcheck.check_cost_model,
+    _fails(r"ring_time is not implemented yet", lab1.check_cost_model,
            stub["ring_time"], stub["halving_doubling_time"], stub["crossover_bytes"])
-    _fails(r"crossover_bytes is not implemented yet", labcheck.check_cost_model,
+    _fails(r"crossover_bytes is not implemented yet", lab1.check_cost_model,
            reference["ring_time"], reference["halving_doubling_time"], stub["crossover_bytes"])
     limit = 40 if utils.backend_for(2) == "nccl" else 15  # on NCCL each launch also starts CUDA and NCCL
     assert time.monotonic() - started < limit, "a stub must fail at once, not after a timeout"
@@ -107,7 +107,7 @@ def test_inputs_live_on_the_rank_device(reference):
         assert tensor.device == utils.device(), f"input on {tensor.device}, not on {utils.device()}"
         return reduce_scatter(tensor)
 
-    labcheck.check_reduce_scatter(reduce_scatter_checking_device, world_sizes=(2,), lengths=(6,),
+    lab1.check_reduce_scatter(reduce_scatter_checking_device, world_sizes=(2,), lengths=(6,),
                                   dtypes=(torch.float32,))
 
 
@@ -116,9 +116,9 @@ def test_cpu_tensor_on_nccl_is_explained(monkeypatch):
     def launch_with_cpu_tensor(*args, **kwargs):
         raise utils.LaunchError("rank 1 failed: ValueError: Tensors must be CUDA and dense")
 
-    monkeypatch.setattr(labcheck, "launch", launch_with_cpu_tensor)
+    monkeypatch.setattr(harness, "launch", launch_with_cpu_tensor)
     _fails(r"all_gather at N=2 handed a CPU tensor to NCCL.*device=tensor\.device.*Tensors must be CUDA",
-           labcheck.check_all_gather, ag_returns_none, world_sizes=(2,))
+           lab1.check_all_gather, ag_returns_none, world_sizes=(2,))
 
 
 # ------------------------------------------------------------------ wrong reduce-scatters
@@ -182,24 +182,24 @@ def rs_uses_all_reduce(tensor):
 
 def test_off_by_one_chunk_is_named():
     message = _fails(r"rank 0.*returned chunk 1 of the sum, expected chunk 0.*off by one chunk",
-                     labcheck.check_reduce_scatter, rs_returns_next_chunk, world_sizes=(3,))
+                     lab1.check_reduce_scatter, rs_returns_next_chunk, world_sizes=(3,))
     assert "N=3" in message
 
 
 def test_wrong_chunk_boundaries_show_expected_shape():
     _fails(r"rank 0, length 7.*returned shape \(2,\), expected \(3,\)",
-           labcheck.check_reduce_scatter, rs_floor_chunks, world_sizes=(3,))
+           lab1.check_reduce_scatter, rs_floor_chunks, world_sizes=(3,))
 
 
 def test_hub_reduce_scatter_fails_on_bytes():
     _fails(r"rank 0, length 24 \(M = 96 bytes\): received 192 bytes, expected 64",
-           labcheck.check_reduce_scatter, rs_hub, world_sizes=(3,), dtypes=(torch.float32,))
+           lab1.check_reduce_scatter, rs_hub, world_sizes=(3,), dtypes=(torch.float32,))
 
 
 def test_no_reduction_and_collectives_are_reported():
-    _fails(r"returned its own input.*nothing was added", labcheck.check_reduce_scatter, rs_no_reduction,
+    _fails(r"returned its own input.*nothing was added", lab1.check_reduce_scatter, rs_no_reduction,
            world_sizes=(2,))
-    _fails(r"called the built-in collective dist\.all_reduce", labcheck.check_reduce_scatter,
+    _fails(r"called the built-in collective dist\.all_reduce", lab1.check_reduce_scatter,
            rs_uses_all_reduce, world_sizes=(2,))
 
 
@@ -233,19 +233,19 @@ def ag_returns_none(chunk, length):
 
 
 def test_all_gather_that_forgets_a_chunk():
-    _fails(r"rank 0, length 3.*wrong gathered tensor.*wrong chunks: \[1\]", labcheck.check_all_gather,
+    _fails(r"rank 0, length 3.*wrong gathered tensor.*wrong chunks: \[1\]", lab1.check_all_gather,
            ag_forgets_a_chunk, world_sizes=(3,))
 
 
 @pytest.mark.skipif(ON_NCCL, reason="NCCL may complete small blocking sends from its buffers: no sure hang")
 def test_deadlock_is_reported_as_such():
     message = _fails(r"no result after 5 s: likely a deadlock.*Where each rank was waiting",
-                     labcheck.check_all_gather, ag_blocking_ring, world_sizes=(3,), timeout=5)
+                     lab1.check_all_gather, ag_blocking_ring, world_sizes=(3,), timeout=5)
     assert "ag_blocking_ring" in message  # the stack points at the student's function
 
 
 def test_missing_return_value():
-    _fails(r"returned NoneType, expected a tensor", labcheck.check_all_gather, ag_returns_none,
+    _fails(r"returned NoneType, expected a tensor", lab1.check_all_gather, ag_returns_none,
            world_sizes=(2,))
 
 
@@ -297,26 +297,26 @@ def ring_forgets_a_chunk(tensor):
 
 
 def test_power_of_two_only_solution_is_rejected():
-    labcheck.check_halving_doubling(hd_power_of_two_only, world_sizes=(2, 4))  # fine on powers of two
+    lab1.check_halving_doubling(hd_power_of_two_only, world_sizes=(2, 4))  # fine on powers of two
     # rank 2 exchanges with rank 3, which does not exist (on gloo that hangs or crashes with SIGSEGV):
     # the byte counter refuses the peer before the backend sees it
     _fails(r"failed at N=3.*N=3 is not a power of two: follow the lab's rule for the extra ranks"
            r".*dist.isend with dst=3: there is no rank 3, the ranks are 0 … 2",
-           labcheck.check_halving_doubling, hd_power_of_two_only, world_sizes=(3,), timeout=5)
+           lab1.check_halving_doubling, hd_power_of_two_only, world_sizes=(3,), timeout=5)
 
 
 def test_sum_missing_a_contribution_names_the_chunks():
     message = _fails(r"rank 0, length 4, float32: wrong sum: 1 of 4 elements wrong, first at element 2.*"
-                     r"wrong chunks: \[2\]", labcheck.check_halving_doubling, ring_forgets_a_chunk,
+                     r"wrong chunks: \[2\]", lab1.check_halving_doubling, ring_forgets_a_chunk,
                      world_sizes=(4,))
     assert "rank 1, length 4, float32: wrong sum: 1 of 4 elements wrong, first at element 3" in message
 
 
 def test_a_ring_is_not_halving_doubling():
-    _fails(r"sent 6 messages, at most 4 expected", labcheck.check_halving_doubling, ring_all_reduce,
+    _fails(r"sent 6 messages, at most 4 expected", lab1.check_halving_doubling, ring_all_reduce,
            world_sizes=(4,))
     _fails(r"rank 1, length 24 \(M = 96 bytes\): sent 128 bytes, expected 192",
-           labcheck.check_halving_doubling, ring_all_reduce, world_sizes=(3,), dtypes=(torch.float32,))
+           lab1.check_halving_doubling, ring_all_reduce, world_sizes=(3,), dtypes=(torch.float32,))
 
 
 # ------------------------------------------------------------------ wrong cost models
@@ -335,15 +335,15 @@ def test_wrong_cost_formulas_fail(reference):
     def crossover_bytes(n, alpha, beta):  # says "never" for powers of two the wrong way round
         return 0.0
 
-    _fails(r"ring_time\(n=2, .*expected .*2\(N-1\) steps", labcheck.check_cost_model, ring_time, hd, crossover)
-    _fails(r"halving_doubling_time\(n=3, .*fold", labcheck.check_cost_model, ring, halving_doubling_time,
+    _fails(r"ring_time\(n=2, .*expected .*2\(N-1\) steps", lab1.check_cost_model, ring_time, hd, crossover)
+    _fails(r"halving_doubling_time\(n=3, .*fold", lab1.check_cost_model, ring, halving_doubling_time,
            crossover)
-    _fails(r"crossover_bytes\(n=2, .*expected inf", labcheck.check_cost_model, ring, hd, crossover_bytes)
+    _fails(r"crossover_bytes\(n=2, .*expected inf", lab1.check_cost_model, ring, hd, crossover_bytes)
 
 
 def test_halving_doubling_bytes_formula():
     # N = 6: p = 4, extra = 2 → ranks 0, 2 folded; 1, 3 carry the fold; 4, 5 plain.
-    want = {r: labcheck.halving_doubling_bytes(r, 6, 480)["sent"] for r in range(6)}
+    want = {r: lab1.halving_doubling_bytes(r, 6, 480)["sent"] for r in range(6)}
     assert want == {0: 480, 1: 720 + 480, 2: 480, 3: 720 + 480, 4: 720, 5: 720}
-    assert labcheck.halving_doubling_bytes(3, 8, 800)["max_messages"] == 6
-    assert labcheck.chunk_bounds(9, 4) == [(0, 3), (3, 5), (5, 7), (7, 9)]
+    assert lab1.halving_doubling_bytes(3, 8, 800)["max_messages"] == 6
+    assert lab1.chunk_bounds(9, 4) == [(0, 3), (3, 5), (5, 7), (7, 9)]

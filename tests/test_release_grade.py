@@ -10,7 +10,7 @@ chunks 1 points); tests/fixtures/submissions/ holds one submission per way a stu
     frank   an endless loop in part 2 only
     grace   prints ~3 MB in part 3
     ivan    not JSON;   judy  a notebook of no lab
-The grading runs as `make grade` runs it: `python -m utils.grade ... --out DIR`, read back from its CSVs.
+The grading runs as `make grade` runs it: `python -m utils.tools.grade ... --out DIR`, read back from its CSVs.
 """
 
 import copy
@@ -27,7 +27,7 @@ import nbformat
 import psutil
 import pytest
 
-from utils import grade, release
+from utils.tools import grade, release
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -196,9 +196,9 @@ def test_prepare_restores_hidden_tests_locked_and_deleted_cells():
 # ------------------------------------------------------------------ grading the fixture submissions
 
 def run_grader(args, timeout):
-    """`python -m utils.grade ARGS` as `make grade` runs it; returns (seconds, stdout)."""
+    """`python -m utils.tools.grade ARGS` as `make grade` runs it; returns (seconds, stdout)."""
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "utils.grade", *map(str, args)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "utils.tools.grade", *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr
     return time.monotonic() - start, done.stdout + done.stderr
@@ -281,7 +281,7 @@ def test_hanging_and_crashing_submissions_score_zero_and_grading_goes_on(fixture
     assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE, \
         "the hanging submission's orphaned grandchild was killed"
     leftovers = [c for c in map(command_line, psutil.Process().children(recursive=True))
-                 if "utils.grade" in c or "ipykernel" in c or "sleep 1000" in c]
+                 if "utils.tools.grade" in c or "ipykernel" in c or "sleep 1000" in c]
     assert leftovers == [], f"processes left behind: {leftovers}"
 
 
@@ -327,7 +327,7 @@ REAL_LABS = sorted((ROOT / "labs").glob("lab*.ipynb"))
 @pytest.mark.skipif(not REAL_LABS, reason="labs/ has no lab notebooks yet")
 def test_real_labs_reference_full_marks_and_student_copy_zero(scratch):
     """Every lab in labs/: `make release`'s command, then the reference and its released copy graded."""
-    subprocess.run([sys.executable, "-m", "utils.release", "labs", "--out", scratch / "release"], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "utils.tools.release", "labs", "--out", scratch / "release"], cwd=ROOT,
                    check=True, capture_output=True)
     folder = scratch / "submitted"
     folder.mkdir()

@@ -690,7 +690,7 @@ def short_path(path: str) -> str:
 
 
 # Frames of the course's plumbing (launcher, cell magic, byte counter, lab-check harness): not the student's.
-_PLUMBING = ("utils/launching.py", "utils/magic.py", "utils/bytecount.py", "utils/labcheck.py",
+_PLUMBING = ("utils/launching.py", "utils/magic.py", "utils/bytecount.py", "utils/labchecks/",
              "multiprocessing", "<string>")
 
 

@@ -1,6 +1,6 @@
 """Execute every lesson headless, as a student's "Run all" would, and summarise.
 
-    python -m utils.runner lessons --out build      (what `make run` does)
+    python -m utils.tools.run lessons --out build      (what `make run` does)
 
 Each notebook runs with papermill (default parameters, the best backend this machine has) in its
 own folder as working directory; the executed copies go to build/<folder>/ and a summary table

@@ -1,20 +1,13 @@
-"""Lab checks: run a student's function on several world sizes and explain what is wrong.
+"""Lab 1's checks (labs/lab1_collectives.ipynb): collectives from send and recv, and their cost model.
 
-The generic harness (`run_on_ranks`, `LabCheckFailure`) turns every way a distributed function can go wrong
-into one message a student can act on:
-  - not implemented yet (NotImplementedError)        → "replace the stub", and no waiting for a timeout,
-  - a built-in collective used where send/recv only   → which call,
-  - a crash on some rank                              → the rank and its traceback,
-  - a hang                                            → "likely deadlock", with where every rank waits,
-  - a wrong answer                                    → rank, chunk, elements, expected vs got,
-  - wrong traffic                                     → rank, bytes or messages, expected vs measured.
-
-Lab 1 (labs/lab1_collectives.ipynb) checks, each printing one ✓ line per world size or raising:
+Each check prints one ✓ line per world size or raises a `LabCheckFailure` that says what to fix:
   check_reduce_scatter(reduce_scatter)        reduce_scatter(tensor) -> this rank's chunk of the sum
   check_all_gather(all_gather)                all_gather(chunk, length) -> the full tensor
   check_halving_doubling(all_reduce)          all_reduce(tensor) -> the sum, by recursive halving-doubling
   check_cost_model(ring_time, halving_doubling_time, crossover_bytes)
-Chunks follow `tensor.tensor_split(N)`: chunk r goes to rank r; the first L % N chunks have one more element.
+A wrong answer names the rank, the chunk, the elements and expected vs got; wrong traffic names the rank and
+the bytes or messages, expected vs measured. Chunks follow `tensor.tensor_split(N)`: chunk r goes to rank r;
+the first L % N chunks have one more element.
 
 The checks launch with backend "auto": gloo on CPUs, NCCL with one GPU per rank. The inputs they hand to the
 student's function live on the rank's device (`utils.device()`); results are compared on the CPU.
@@ -27,69 +20,15 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import bytecount, launching
-from .checks import check
-from .launching import LaunchError, LaunchTimeout, launch
+from .. import bytecount, launching
+from ..checks import check
+from .harness import (TIMEOUT, LabCheckFailure, compare_result, describe_mismatch, report,
+                      run_on_ranks)
 
 WORLD_SIZES = (2, 3, 4)
 DTYPES = (torch.float32, torch.int64)
-TIMEOUT = 30.0  # seconds for one launch of a check; the cases themselves take well under a second
 
 
-class LabCheckFailure(AssertionError):
-    """A lab check failed. The message says what to fix."""
-
-
-# ------------------------------------------------------------------ the generic harness
-
-def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TIMEOUT, backend: str = "auto"):
-    """`launch(rank_fn, *args)`, turning every failure into a `LabCheckFailure` that says what to do.
-
-    `what` names the student's function in the messages (e.g. "reduce_scatter"). backend "auto" runs on NCCL
-    when every rank can have its own GPU, else on gloo.
-    """
-    try:
-        return launch(rank_fn, *args, world_size=world_size, backend=backend, timeout=timeout)
-    except LaunchTimeout as err:
-        where = str(err).split("Where each rank is stuck (most recent call last):", 1)[-1].strip()
-        raise LabCheckFailure(
-            f"✗ {what} at N={world_size}: no result after {timeout:g} s: likely a deadlock (every rank "
-            "is waiting for another). Usual causes: every rank calls a blocking dist.send before its "
-            "dist.recv (post the send and the receive together as one dist.batch_isend_irecv, like "
-            "exchange() does, or let even ranks send first and odd ranks receive first; on NCCL an "
-            "isend followed by a recv can hang the same way); "
-            "a send without a matching recv (check the peer ranks, that no peer is ≥ N, and that both "
-            "sides agree on the chunk sizes).\n"
-            f"Where each rank was waiting (most recent call last):\n{where}") from None
-    except LaunchError as err:
-        report = str(err)
-        if "NotImplementedError" in report:
-            raise LabCheckFailure(
-                f"✗ {what} is not implemented yet: it raised NotImplementedError. Replace the "
-                "`raise NotImplementedError()` line in its cell with your code, run that cell, then run "
-                "this check again.") from None
-        if "CollectiveForbiddenError" in report:
-            call = report.split("CollectiveForbiddenError: ", 1)[-1].split(" was called", 1)[0]
-            raise LabCheckFailure(
-                f"✗ {what} called the built-in collective {call}: implement it with dist.send, dist.recv, "
-                "dist.isend and dist.irecv only.") from None
-        if "Tensors must be CUDA" in report:
-            raise LabCheckFailure(
-                f"✗ {what} at N={world_size} handed a CPU tensor to NCCL, which moves GPU tensors only: "
-                "create every buffer on the input's device (torch.empty_like(tensor), or "
-                "torch.empty(..., device=tensor.device)).\n" + report) from None
-        raise LabCheckFailure(f"✗ {what} failed at N={world_size}:\n{report}") from None
-
-
-def _report(what, world_size, problems, note="", limit=5):
-    """Raise a LabCheckFailure listing the first `limit` problems (one line each), after an optional note."""
-    if problems:
-        more = f"\n  … and {len(problems) - limit} more" if len(problems) > limit else ""
-        raise LabCheckFailure(f"✗ {what} at N={world_size}:" + (f"\n  {note}" if note else "") + "\n  "
-                              + "\n  ".join(problems[:limit]) + more)
-
-
-# ------------------------------------------------------------------ inputs and diagnostics
 
 def power_of_two_below(n: int) -> tuple[int, int]:
     """(p, log2 p) for p the largest power of two ≤ n: the ranks halving-doubling runs on."""
@@ -114,35 +53,7 @@ def rank_input(length: int, dtype, seed: int, rank: int) -> torch.Tensor:
     return torch.randint(-8, 9, (length,), generator=generator).to(dtype)
 
 
-def _fmt(value):
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
-
-def _describe_mismatch(got, expected, offset=0, chunks=None):
-    """'element i: expected x, got y' for the first wrong element (index counted from `offset`)."""
-    wrong = (got != expected).nonzero().flatten()
-    i = wrong[0].item()
-    text = (f"{len(wrong)} of {expected.numel()} elements wrong, first at element {offset + i}: "
-            f"expected {_fmt(expected[i].item())}, got {_fmt(got[i].item())}")
-    if chunks is not None:
-        bad = sorted({c for c, (a, b) in enumerate(chunks) for j in wrong.tolist() if a <= offset + j < b})
-        text += f"; wrong chunks: {bad}"
-    return text
-
-
-def _compare_result(got, expected, rank, label):
-    """[] if `got` is a tensor of the expected dtype and shape, else one line saying how it differs."""
-    if not isinstance(got, torch.Tensor):
-        return [f"rank {rank}, {label}: returned {type(got).__name__}, expected a tensor"]
-    if got.dtype != expected.dtype:
-        return [f"rank {rank}, {label}: returned dtype {got.dtype}, expected {expected.dtype} "
-                "(keep the input's dtype)"]
-    if tuple(got.shape) != tuple(expected.shape):
-        return [f"rank {rank}, {label}: returned shape {tuple(got.shape)}, expected {tuple(expected.shape)}"]
-    return []
-
-
-# ------------------------------------------------------------------ what runs on every rank
 
 def _run_cases(kind, fn, cases):
     """Run the student's `fn` on this rank for every case; return (problems, byte summaries)."""
@@ -169,7 +80,7 @@ def _run_cases(kind, fn, cases):
         summaries.append(counter.summary())
         if isinstance(got, torch.Tensor):
             got = got.detach().cpu()  # compare on the CPU, whatever device the ranks use
-        bad = _compare_result(got, expected, rank, label)
+        bad = compare_result(got, expected, rank, label)
         if not bad and not torch.equal(got, expected):
             bad = [_diagnose(kind, got, expected, total, inputs[rank], bounds, rank, label)]
         problems += bad
@@ -188,8 +99,8 @@ def _diagnose(kind, got, expected, total, own_input, bounds, rank, label):
                         "off by one chunk? Rank r must end with chunk r.")
         if torch.equal(got, own_input[start:stop]):
             return f"rank {rank}, {label}: returned its own input for {where}: nothing was added"
-        return f"rank {rank}, {label}: wrong values for {where}: {_describe_mismatch(got, expected, start)}"
-    detail = _describe_mismatch(got, expected, 0, bounds)
+        return f"rank {rank}, {label}: wrong values for {where}: {describe_mismatch(got, expected, start)}"
+    detail = describe_mismatch(got, expected, 0, bounds)
     if kind == "all_gather":
         return f"rank {rank}, {label}: wrong gathered tensor (chunk j must come from rank j): {detail}"
     return f"rank {rank}, {label}: wrong sum: {detail} (chunks as in tensor_split({n}))"
@@ -277,8 +188,8 @@ def _check_collective(kind, fn, what, world_sizes, lengths, dtypes, timeout, exp
         # interleave the ranks' problems, so the first lines show how the ranks differ
         per_rank = [rank_problems for rank_problems, _ in results]
         problems = [p for row in itertools.zip_longest(*per_rank) for p in row if p is not None]
-        _report(what, n, problems, note=hint)
-        _report(what, n, _check_bytes(what, n, cases, [s for _, s in results], expected_bytes))
+        report(what, n, problems, note=hint)
+        report(what, n, _check_bytes(what, n, cases, [s for _, s in results], expected_bytes))
         lengths_text = ", ".join(str(length) for length in dict.fromkeys(c[0] for c in cases))
         dtypes_text = "/".join(str(d).replace("torch.", "") for d in dtypes)
         check(True, f"{what} at N={n}: exact on every rank for lengths {lengths_text} ({dtypes_text}); "

@@ -1,7 +1,7 @@
 """Autograde submitted lab notebooks: hidden checks restored, each run isolated and time-limited.
 
-    python -m utils.grade SUBMISSIONS --out build/grades        (what `make grade SUBMISSIONS=dir` runs)
-    python -m utils.grade --parts labs                          (list every lab's parts and points)
+    python -m utils.tools.grade SUBMISSIONS --out build/grades        (what `make grade SUBMISSIONS=dir` runs)
+    python -m utils.tools.grade --parts labs                          (list every lab's parts and points)
 
 SUBMISSIONS is a folder (or notebook files) laid out in either way, mixed freely:
     SUBMISSIONS/<student>/<lab>.ipynb        e.g. submitted/ada/lab1_collectives.ipynb
@@ -49,7 +49,7 @@ from .release import (LabFormatError, check_lab, clear_notebook_run, clear_run, 
                       is_solution_cell, lab_notebooks, nbgrader_meta, read_notebook, student_source,
                       write_notebook)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT = 600.0        # seconds per submission, kernel start included
 DEFAULT_CELL_TIMEOUT = 300.0   # seconds per cell; a cell that runs longer is interrupted and fails
 DEFAULT_MAX_OUTPUT = 1 << 20   # bytes one cell may print; a cell printing more is stopped and fails
@@ -336,7 +336,7 @@ class _Running:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
         env.update(PYTHONUNBUFFERED="1", COURSE_OUTPUT="grouped", JUPYTER_PLATFORM_DIRS="1",
                    JUPYTER_RUNTIME_DIR=str(self.private / "runtime"), PYDEVD_DISABLE_FILE_VALIDATION="1")
-        command = [sys.executable, "-m", "utils.grade", "--run-one", str(notebook),
+        command = [sys.executable, "-m", "utils.tools.grade", "--run-one", str(notebook),
                    "--result", str(self.private / "result.json"),
                    "--executed", str(self.private / "executed.ipynb"),
                    "--cell-timeout", str(cell_timeout), "--max-output", str(max_output)]
@@ -660,7 +660,7 @@ def print_parts(labs: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m utils.grade", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m utils.tools.grade", description=__doc__.split("\n")[0])
     parser.add_argument("submissions", nargs="*", help="folders or .ipynb files to grade")
     parser.add_argument("--out", default="build/grades", help="report folder (default: build/grades)")
     parser.add_argument("--labs", default=None, help="folder of reference labs (default: ./labs, else the course's labs/)")

@@ -20,10 +20,10 @@ Cell metadata (nbgrader's) says which cells are what:
     solution cell    {"nbgrader": {"solution": true,  "grade": false, "grade_id": "...", "locked": false}}
     graded test cell {"nbgrader": {"solution": false, "grade": true,  "grade_id": "<part>", "points": 3,
                                    "locked": true}}
-The graded test cells are the lab's parts; `utils.grade` scores them.
+The graded test cells are the lab's parts; `utils.tools.grade` scores them.
 
 Command line (what `make release` runs):
-    python -m utils.release labs --out release
+    python -m utils.tools.release labs --out release
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def release_labs(labs_dir, out_dir) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m utils.release", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m utils.tools.release", description=__doc__.split("\n")[0])
     parser.add_argument("labs", help="folder with the reference lab notebooks (e.g. labs)")
     parser.add_argument("--out", default="release", help="folder for the student copies (default: release)")
     args = parser.parse_args(argv)
