@@ -142,7 +142,7 @@ def _check_bytes(what, n, cases, per_rank, expected_fn):
     return problems
 
 
-def _scatter_gather_bytes(rank, n, nbytes):
+def scatter_gather_bytes(rank, n, nbytes):
     share = (n - 1) * nbytes // n
     return dict(sent=share, received=share, why="(N-1)/N × M: each rank passes on N-1 chunks of M/N")
 
@@ -200,14 +200,14 @@ def check_reduce_scatter(reduce_scatter, world_sizes=WORLD_SIZES, lengths=None, 
                          timeout=TIMEOUT, seed=0):
     """reduce_scatter(tensor) must return chunk r of the sum on rank r, sending (N-1)/N × M per rank."""
     _check_collective("reduce_scatter", reduce_scatter, "reduce_scatter", world_sizes, lengths, dtypes,
-                      timeout, _scatter_gather_bytes, "sends and receives (N-1)/N × M per rank", seed)
+                      timeout, scatter_gather_bytes, "sends and receives (N-1)/N × M per rank", seed)
 
 
 def check_all_gather(all_gather, world_sizes=WORLD_SIZES, lengths=None, dtypes=DTYPES, timeout=TIMEOUT,
                      seed=0):
     """all_gather(chunk, length) must return the full tensor on every rank, moving (N-1)/N × M per rank."""
     _check_collective("all_gather", all_gather, "all_gather", world_sizes, lengths, dtypes, timeout,
-                      _scatter_gather_bytes, "sends and receives (N-1)/N × M per rank", seed)
+                      scatter_gather_bytes, "sends and receives (N-1)/N × M per rank", seed)
 
 
 def check_halving_doubling(all_reduce, world_sizes=WORLD_SIZES, lengths=None, dtypes=DTYPES,
@@ -219,11 +219,11 @@ def check_halving_doubling(all_reduce, world_sizes=WORLD_SIZES, lengths=None, dt
 
 # ------------------------------------------------------------------ the α-β cost model
 
-def _reference_ring_time(n, nbytes, alpha, beta):
+def reference_ring_time(n, nbytes, alpha, beta):
     return 2 * (n - 1) * (alpha + nbytes / n * beta)
 
 
-def _reference_hd_time(n, nbytes, alpha, beta):
+def reference_halving_doubling_time(n, nbytes, alpha, beta):
     p, steps = power_of_two_below(n)
     time = 2 * steps * alpha + 2 * (p - 1) / p * nbytes * beta
     if n > p:
@@ -231,7 +231,7 @@ def _reference_hd_time(n, nbytes, alpha, beta):
     return time
 
 
-def _reference_crossover(n, alpha, beta):
+def reference_crossover(n, alpha, beta):
     p, steps = power_of_two_below(n)
     fold = 1 if n > p else 0
     latency_saved = 2 * (n - 1) - 2 * steps - 2 * fold                 # in units of α
@@ -246,6 +246,16 @@ COST_CASES = [(n, nbytes, 5e-6, 1 / 100e9) for n in COST_WORLD_SIZES
               for nbytes in (1e3, 1e6, 25 * 2**20, 1e9)] + [(4, 64 * 2**20, 50e-6, 1 / 2e9)]
 
 
+def accept_time(got, want) -> bool:
+    """Is `got` an acceptable answer where `want` seconds are expected? (The grader uses this rule too.)"""
+    return _close(got, want)
+
+
+def accept_crossover(got, want) -> bool:
+    """Is `got` an acceptable crossover_bytes where `want` bytes are expected? (The grader uses this rule too.)"""
+    return _close(got, want)
+
+
 def _close(got, want):
     """Equal, or both finite numbers equal to 1e-9 relative."""
     if got == want:
@@ -258,8 +268,8 @@ def check_cost_model(ring_time, halving_doubling_time, crossover_bytes, cases=No
     """The three cost functions against the α-β model (α per message, β seconds per byte)."""
     cases = COST_CASES if cases is None else cases
     for fn, reference, hint in [
-        (ring_time, _reference_ring_time, "2(N-1) steps, each α + (M/N)·β"),
-        (halving_doubling_time, _reference_hd_time,
+        (ring_time, reference_ring_time, "2(N-1) steps, each α + (M/N)·β"),
+        (halving_doubling_time, reference_halving_doubling_time,
          "log2 p halving + log2 p doubling steps, plus the fold and the hand-back when N is not a power "
          "of two"),
     ]:
@@ -270,7 +280,7 @@ def check_cost_model(ring_time, halving_doubling_time, crossover_bytes, cases=No
                 raise LabCheckFailure(f"✗ {fn.__name__} is not implemented yet: replace "
                                       "`raise NotImplementedError()` with your formula.") from None
             want = reference(n, nbytes, alpha, beta)
-            if not _close(got, want):
+            if not accept_time(got, want):
                 raise LabCheckFailure(
                     f"✗ {fn.__name__}(n={n}, nbytes={nbytes:g}, alpha={alpha:g}, beta={beta:g}) = {got!r}, "
                     f"expected {want:.6g} s ({hint})")
@@ -282,8 +292,8 @@ def check_cost_model(ring_time, halving_doubling_time, crossover_bytes, cases=No
         except NotImplementedError:
             raise LabCheckFailure("✗ crossover_bytes is not implemented yet: replace "
                                   "`raise NotImplementedError()` with your formula.") from None
-        want = _reference_crossover(n, alpha, beta)
-        if not _close(got, want):
+        want = reference_crossover(n, alpha, beta)
+        if not accept_crossover(got, want):
             raise LabCheckFailure(
                 f"✗ crossover_bytes(n={n}, alpha={alpha:g}, beta={beta:g}) = {got!r}, expected {want!r} "
                 "(the largest M for which halving-doubling is at least as fast as the ring; math.inf if it "
