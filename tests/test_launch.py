@@ -250,11 +250,18 @@ INTERRUPT_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupt_stops_every_rank(tmp_path):
     script = tmp_path / "interrupt.py"
     script.write_text(INTERRUPT_SCRIPT)
+    # A process started with SIGINT ignored (a child of a background job in a non-interactive shell, some
+    # CI runners) keeps ignoring it, and Python then installs no KeyboardInterrupt handler. A Jupyter
+    # kernel installs its own; this stand-in for one starts with SIGINT at its default instead.
     proc = subprocess.Popen([PYTHON, str(script), str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, preexec_fn=_default_sigint)
     end = time.monotonic() + 60
     while len(pids_in(tmp_path)) < 3 and time.monotonic() < end:
         time.sleep(0.1)

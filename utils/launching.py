@@ -245,7 +245,7 @@ def _output_is_live() -> bool:
     except OSError:
         return True
     batch = ("papermill", "pytest", "nbval", "nbclient", "nbconvert", "jupyter-execute",
-             "utils.runner", "utils.grade")
+             "utils.tools.run", "utils.tools.grade")
     return not any(word in parent for word in batch)
 
 
