@@ -1,14 +1,18 @@
 """How long does it take to start 4 ranks, all-reduce once and tear down?
 
 Compares utils.launch (forkserver with torch preloaded) with torch.multiprocessing.spawn doing the
-same work, both measured in this run, and prints the medians and their ratio.
+same work, the baseline, both measured in this run. The two run in rounds, one of each per round, in an
+order rotated from round to round (utils.timing.rotated_rounds), after a warm-up round that is not kept
+(it also starts utils.launch's forkserver). It prints each one's median time with its spread (quartiles,
+min–max), the ratio spawn / launch within each round, and utils.timing.compare's verdict, which calls a
+difference whose interquartile ranges overlap "no measurable difference here". Takes about half a
+minute on 2 cores (more on a busy machine), nearly all of it in spawn; 5 rounds, since quartiles need 4.
 
-    .venv/bin/python benchmarks/bench_launch.py [--world-size 4] [--repeats 15]
+    .venv/bin/python benchmarks/bench_launch.py [--world-size 4] [--rounds 5]
 """
 import argparse
 import os
 import socket
-import statistics
 import time
 
 import torch
@@ -16,6 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import utils
+from utils.timing import Spread, compare, rotated_rounds
+
+TARGET_SECONDS = 0.3  # the launcher's target for a warm launch of 4 ranks on 2 cores
 
 
 def one_all_reduce():
@@ -39,35 +46,40 @@ def free_port():
         return s.getsockname()[1]
 
 
-def timed(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--spawn-repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     n = args.world_size
+    runs = {
+        "utils.launch": lambda: utils.launch(one_all_reduce, world_size=n),
+        "torch.multiprocessing.spawn": lambda: mp.spawn(spawned_rank, args=(n, free_port()), nprocs=n, join=True),
+    }
+    times = {name: [] for name in runs}
+    for rep, name in rotated_rounds(list(runs), args.rounds):
+        start = time.perf_counter()
+        runs[name]()
+        if rep >= 0:                       # rep < 0: the warm-up round (it starts the forkserver)
+            times[name].append(time.perf_counter() - start)
 
-    utils.launch(one_all_reduce, world_size=n)  # the first launch starts the forkserver: not "warm"
-    ours = timed(lambda: utils.launch(one_all_reduce, world_size=n), args.repeats)
-    spawn = timed(lambda: mp.spawn(spawned_rank, args=(n, free_port()), nprocs=n, join=True),
-                  args.spawn_repeats)
-
-    ours_median, spawn_median = statistics.median(ours), statistics.median(spawn)
-    print(f"{n} ranks: start, init_process_group, one all_reduce, tear down ({os.cpu_count()} cores)")
-    print(f"utils.launch (warm)            median {ours_median:7.3f} s over {len(ours)} runs "
-          f"(min {min(ours):.3f}, max {max(ours):.3f})")
-    print(f"torch.multiprocessing.spawn    median {spawn_median:7.3f} s over {len(spawn)} runs")
-    print(f"ratio spawn / launch           {spawn_median / ours_median:7.1f}x")
-    print(f"target: warm launch median <= 0.3 s: {'met' if ours_median <= 0.3 else 'NOT met'}")
+    ours, spawn = times["utils.launch"], times["torch.multiprocessing.spawn"]
+    print(f"{n} ranks: start, init_process_group, one all_reduce, tear down ({os.cpu_count()} cores), "
+          f"{args.rounds} rounds in rotated order")
+    for name, t in times.items():
+        print(f"{name:<29} {Spread.of(t).format(scale=1, unit='s')}")
+    ratio = Spread.of([b / a for a, b in zip(ours, spawn)])   # one ratio per round
+    print(f"spawn / launch within a round:  {ratio.median:.1f}x "
+          f"(IQR {ratio.q1:.1f}–{ratio.q3:.1f}, min–max {ratio.low:.1f}–{ratio.high:.1f})")
+    print(f"verdict: {compare(spawn, ours, 'torch.multiprocessing.spawn', 'utils.launch')}")
+    s = Spread.of(ours)
+    if s.q3 <= TARGET_SECONDS:
+        target = "met (the whole interquartile range is below it)"
+    elif s.q1 > TARGET_SECONDS:
+        target = "NOT met (the whole interquartile range is above it)"
+    else:
+        target = "undecided: the target lies inside the interquartile range"
+    print(f"target: warm launch <= {TARGET_SECONDS} s: {target}")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,29 @@
 """Benchmark: the from-scratch ring all-reduce of lesson 03 against dist.all_reduce.
 
-Runs 4 ranks (gloo on CPU, NCCL with one GPU per rank) and times, at 16 MB and 64 MB of float32:
+Runs 4 ranks (gloo on CPU, NCCL with one GPU per rank) and times, at 16 MiB and 64 MiB of float32:
   - the plain ring (one batched send+receive and one add per step; lesson 03's first version),
-  - the pipelined ring (the same ring schedule, each chunk cut into sub-chunks so that sending,
-    receiving and adding overlap; lesson 03's fast version),
-  - dist.all_reduce.
-Each repetition starts after a barrier and its time is the slowest rank's. The three run back to back in
-every round, so a load change on a shared machine hits them alike; the ratio ring / dist.all_reduce is taken
-within each round and its median over rounds is printed (with the range), next to the median times.
+  - the pipelined ring (the same ring schedule with each chunk cut into pieces, so that sending and
+    adding may overlap; lesson 03's section 8),
+  - dist.all_reduce, the baseline, measured in the same run.
+Each repetition starts after a barrier and its time is the slowest rank's. The versions run in rounds, one
+of each per round, in an order rotated from round to round (utils.timing.rotated_rounds), after a warm-up
+round that is not kept. For each size it prints every version's median time with its spread (quartiles,
+min–max), the time ratio to dist.all_reduce within each round (median and quartiles over rounds), and
+utils.timing.compare's verdicts, which call a difference whose interquartile ranges overlap "no measurable
+difference here". Takes well under a minute on 2 cores.
 
-    .venv/bin/python benchmarks/bench_ring_allreduce.py [--reps 7] [--sizes-mb 16 64]
+    .venv/bin/python benchmarks/bench_ring_allreduce.py [--rounds 15] [--sizes-mb 16 64] [--piece-kb 1024]
 
 The ring functions are copies of the lesson's cells (the benchmark imports nothing from notebooks).
 """
 import argparse
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
 import utils
+from utils.timing import Spread, compare, rotated_rounds
 
 
 # ------------------------------------------------------------------ the lesson's rings (copies)
@@ -92,13 +95,17 @@ def pipelined_ring_all_reduce(tensor, piece_bytes=1 << 20):
 
 # ------------------------------------------------------------------ timing on every rank
 
-def _time_all(sizes_mb, reps, warmup, piece_bytes):
+BASELINE = "dist.all_reduce"
+
+
+def _time_all(sizes_mb, rounds, piece_bytes):
     device = utils.device()
     rank = dist.get_rank()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     variants = {
         "ring (plain)": ring_all_reduce,
         "ring (pipelined)": lambda t: pipelined_ring_all_reduce(t, piece_bytes),
-        "dist.all_reduce": dist.all_reduce,
+        BASELINE: dist.all_reduce,
     }
     results = {}
     for size_mb in sizes_mb:
@@ -107,53 +114,65 @@ def _time_all(sizes_mb, reps, warmup, piece_bytes):
         data = torch.randn(numel, generator=generator).to(device)
         expected = data.clone()
         dist.all_reduce(expected)
-        for name, op in variants.items():  # correctness first, and warm-up
-            for _ in range(warmup):
-                work = data.clone()
-                op(work)
+        for name, op in variants.items():  # correctness first
+            work = data.clone()
+            op(work)
             if not torch.allclose(work, expected, rtol=1e-4, atol=1e-4):
-                raise AssertionError(f"{name} gave a wrong sum at {size_mb} MB on rank {rank}")
+                raise AssertionError(f"{name} gave a wrong sum at {size_mb} MiB on rank {rank}")
         times = {name: [] for name in variants}
         work = data.clone()
-        for _ in range(reps):
-            for name, op in variants.items():
-                work.copy_(data)
-                dist.barrier()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                op(work)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends with its slowest rank
+        for rep, name in rotated_rounds(list(variants), rounds):
+            work.copy_(data)
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            variants[name](work)
+            sync()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends with its slowest rank
+            if rep >= 0:                                     # rep < 0: the warm-up round
                 times[name].append(elapsed.item())
         results[size_mb] = times
     return results
 
 
+def pieces_per_chunk(size_mb, world_size, piece_bytes):
+    """How the pipelined ring cuts the largest chunk (1: not at all, the plain ring's messages)."""
+    chunk_bytes = -(-(size_mb * (1 << 20) // 4) // world_size) * 4
+    return max(1, -(-chunk_bytes // piece_bytes))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--piece-kb", type=int, default=1024)
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64], help="sizes in MiB")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--piece-kb", type=int, default=1024, help="piece size of the pipelined ring, KiB")
     args = parser.parse_args()
     backend = utils.backend_for(args.world_size)
-    print(f"{args.world_size} ranks, backend {backend}, float32, {args.reps} repetitions "
-          f"(median of the slowest rank), pieces of {args.piece_kb} KB")
-    results = utils.launch(_time_all, args.sizes_mb, args.reps, args.warmup, args.piece_kb * 1024,
+    piece_bytes = args.piece_kb * 1024
+    print(f"{args.world_size} ranks, backend {backend}, float32, {args.rounds} rounds in rotated order "
+          f"(plus one warm-up round), time of the slowest rank; pipelined ring: pieces of {args.piece_kb} KiB")
+    started = time.perf_counter()
+    results = utils.launch(_time_all, args.sizes_mb, args.rounds, piece_bytes,
                            world_size=args.world_size, timeout=600)[0]
     for size_mb, times in results.items():
-        base = times["dist.all_reduce"]
-        print(f"{size_mb:>4} MB: " + "   ".join(
-            f"{name} {1e3 * statistics.median(t):8.2f} ms" for name, t in times.items()))
+        pieces = pieces_per_chunk(size_mb, args.world_size, piece_bytes)
+        print(f"\n{size_mb} MiB ({pieces} piece{'s' if pieces > 1 else ''} per chunk in the pipelined ring"
+              + (", i.e. the plain ring's messages)" if pieces == 1 else ")"))
+        for name, t in times.items():
+            print(f"  {name:<18} {Spread.of(t).format()}")
+        base = times[BASELINE]
         for name in ("ring (plain)", "ring (pipelined)"):
-            # ratio within each round (the variants ran back to back), then the median over rounds
-            ratios = sorted(a / b for a, b in zip(times[name], base))
-            print(f"        {name} / dist.all_reduce = {statistics.median(ratios):.2f}x "
-                  f"(rounds: {ratios[0]:.2f}x … {ratios[-1]:.2f}x)")
+            # the versions ran in the same round, so each round gives one ratio
+            ratio = Spread.of([a / b for a, b in zip(times[name], base)])
+            print(f"  {name} / {BASELINE}: {ratio.median:.2f}x within a round "
+                  f"(IQR {ratio.q1:.2f}–{ratio.q3:.2f}, min–max {ratio.low:.2f}–{ratio.high:.2f})")
+        for name in ("ring (plain)", "ring (pipelined)"):
+            print(f"  verdict: {compare(base, times[name], BASELINE, name)}")
+        print(f"  verdict: {compare(times['ring (plain)'], times['ring (pipelined)'], 'ring (plain)', 'ring (pipelined)')}")
+    print(f"\ntook {time.perf_counter() - started:.0f} s")
+
 
 if __name__ == "__main__":
     main()
