@@ -7,6 +7,8 @@ The notebooks import what they need from here:
     utils.trace, utils.plots            per-rank timelines
     utils.checks                        state a claim: print ✓ or raise
     utils.collectives                   collectives renamed across torch versions
+    utils.timing                        interleaved timings, their spread, honest verdicts
+    utils.ring_model                    the α–β–γ model of a (pipelined) ring all-reduce
 """
 from .launching import (LaunchError, LaunchTimeout, backend_for, default_threads, describe, device,
                         launch)

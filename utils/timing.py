@@ -68,14 +68,15 @@ def separated(a: Sequence[float], b: Sequence[float]) -> bool:
     return sa.q3 < sb.q1 or sb.q3 < sa.q1
 
 
-def compare(a: Sequence[float], b: Sequence[float], name_a: str, name_b: str) -> str:
-    """One sentence on two sets of timings (lower is faster), honest about noise.
+def compare(a: Sequence[float], b: Sequence[float], name_a: str, name_b: str, scale: float = 1e3,
+            unit: str = "ms") -> str:
+    """One sentence on two sets of timings in seconds (lower is faster), honest about noise.
 
     'name_b is 1.8× faster than name_a (medians …)' only when their interquartile ranges are apart;
-    otherwise 'no measurable difference here'.
+    otherwise 'no measurable difference here'. Medians are printed multiplied by `scale`, in `unit`.
     """
     sa, sb = Spread.of(a), Spread.of(b)
-    detail = f"medians {sa.median * 1e3:.3g} vs {sb.median * 1e3:.3g} ms"
+    detail = f"medians {sa.median * scale:.3g} vs {sb.median * scale:.3g} {unit}"
     if not separated(a, b):
         return f"{name_a} vs {name_b}: no measurable difference here ({detail}; the spreads overlap)"
     fast, slow = (name_a, name_b) if sa.median < sb.median else (name_b, name_a)
