@@ -39,8 +39,8 @@ def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TI
             "dist.recv (post the send and the receive together as one dist.batch_isend_irecv, like "
             "exchange() does, or let even ranks send first and odd ranks receive first; on NCCL an "
             "isend followed by a recv can hang the same way); "
-            "a send without a matching recv (check the peer ranks, that no peer is ≥ N, and that both "
-            "sides agree on the chunk sizes).\n"
+            "a send without a matching recv (check the peer ranks: every send's receiver must post the "
+            "matching receive, from that sender, and both sides must agree on the chunk sizes).\n"
             f"Where each rank was waiting (most recent call last):\n{where}") from None
     except LaunchError as err:
         report = str(err)

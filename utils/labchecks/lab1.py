@@ -209,7 +209,8 @@ def halving_doubling_peers(rank: int, n: int):
 
 
 def scatter_gather_bytes(rank, n, nbytes):
-    """Bytes rank `rank` of `n` sends and receives in a ring reduce-scatter or all-gather (N divides M)."""
+    """Bytes rank `rank` of `n` sends and receives in a ring reduce-scatter or all-gather of `nbytes` (M) when
+    N divides the length."""
     share = (n - 1) * nbytes // n
     return dict(sent=share, received=share, why="(N-1)/N × M: each rank passes on N-1 chunks of M/N")
 
