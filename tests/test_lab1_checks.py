@@ -400,9 +400,9 @@ def _lab_position(rank, extra):
 
 
 def hd_shifted_positions(tensor):
-    """Position q taken to be rank q + extra for every q. Right while one pair folds (rank 1 = 0 + 1 at
-    N = 3 and 5); from two folded pairs on (N = 6) position 1 is rank 3, not 3 = 1 + 2... and position 0
-    becomes rank 2, a folded rank."""
+    """Position q taken to be rank q + extra for every q. While one pair folds (N = 3, 5) that is right:
+    position 0 is rank 1 = 0 + 1. With two folded pairs (N = 6) position 0 becomes rank 2, a folded rank,
+    instead of rank 1."""
     return _halving_doubling(tensor, lambda q, extra: q + extra, _lab_position)
 
 

@@ -199,7 +199,7 @@ def _method_targets(names):
 def _op_targets():
     """(namespace, op, label) for every communication operator under OP_NAMESPACES."""
     ops = set()
-    for qualified in torch._C._dispatch_get_all_op_names():
+    for qualified in getattr(torch._C, "_dispatch_get_all_op_names", list)():  # a private API: may go
         namespace, _, op = qualified.partition("::")
         op = op.split(".")[0]
         if namespace in OP_NAMESPACES and op not in NOT_COMMUNICATION:
