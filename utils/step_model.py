@@ -1,0 +1,71 @@
+"""A step-time model for data parallelism: compute, plus the part of the gradient all-reduce overlap does not hide.
+
+    comm  = ring_all_reduce_seconds(grad_bytes, n, alpha, bandwidth)   # 2(N−1)·α + 2(N−1)/N · M / bandwidth
+    step  = step_seconds(compute, comm, overlap)                        # compute + max(0, comm − overlap·compute)
+    eff   = compute / step                                              # = scaling efficiency under weak scaling
+
+`overlap` is the fraction of the compute time during which communication can run alongside it (the backward
+pass is about 2/3 of forward + backward, so overlap ≤ 2/3 is the usual ceiling; 0 = all-reduce after backward).
+`alpha` is seconds per message, `bandwidth` bytes per second (per rank, each direction). The same α–β costs as
+lesson 03's fit and as utils.simlink's simulated link, so runs on that link check this model.
+"""
+from __future__ import annotations
+
+import math
+
+__all__ = ["ring_all_reduce_seconds", "tree_all_reduce_seconds", "hierarchical_all_reduce_seconds",
+           "step_seconds", "efficiency", "scaling_efficiency", "compute_seconds"]
+
+
+def ring_all_reduce_seconds(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
+    """Ring all-reduce of `nbytes` on `n` ranks: 2(n−1) messages of nbytes/n → 2(n−1)α + 2(n−1)/n·nbytes/bandwidth."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return 2 * (n - 1) * (alpha + nbytes / n / bandwidth)
+
+
+def tree_all_reduce_seconds(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
+    """A tree-shaped all-reduce's latency, 2·⌈log₂ n⌉·α, with the ring's bandwidth term (the best any
+    algorithm can do: each rank must send and receive 2(n−1)/n of the data). An idealised lower bound for
+    NCCL's pipelined double binary tree, not a model of it."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if n == 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * alpha + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def hierarchical_all_reduce_seconds(nbytes: float, n: int, per_node: int, alpha_intra: float,
+                                    bandwidth_intra: float, alpha_inter: float, bandwidth_inter: float) -> float:
+    """Two-level all-reduce: reduce-scatter inside each node (ring of `per_node`), ring all-reduce of each
+    1/per_node shard across the n/per_node nodes, all-gather inside the node."""
+    if n % per_node:
+        raise ValueError(f"n = {n} is not a multiple of per_node = {per_node}")
+    nodes = n // per_node
+    intra = ring_all_reduce_seconds(nbytes, per_node, alpha_intra, bandwidth_intra)   # reduce-scatter + all-gather
+    inter = ring_all_reduce_seconds(nbytes / per_node, nodes, alpha_inter, bandwidth_inter)
+    return intra + inter
+
+
+def step_seconds(compute: float, comm: float, overlap: float = 0.0) -> float:
+    """compute + the communication that overlap does not hide: compute + max(0, comm − overlap·compute)."""
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap is a fraction of the compute time in [0, 1], got {overlap}")
+    return compute + max(0.0, comm - overlap * compute)
+
+
+def efficiency(compute: float, comm: float, overlap: float = 0.0) -> float:
+    """Share of the step spent computing: compute / step_seconds(...). Under weak scaling this *is* the
+    scaling efficiency throughput_N / (N · throughput_1)."""
+    return compute / step_seconds(compute, comm, overlap)
+
+
+def scaling_efficiency(throughput_n: float, throughput_1: float, n: int) -> float:
+    """throughput_N / (N × throughput_1): 1.0 is perfect linear scaling."""
+    return throughput_n / (n * throughput_1)
+
+
+def compute_seconds(params: float, tokens: float, flops_per_second: float) -> float:
+    """Forward + backward time of a dense transformer: ≈ 6 FLOPs per parameter per token, at the given
+    *achieved* FLOP/s (peak × utilisation)."""
+    return 6 * params * tokens / flops_per_second
