@@ -5,7 +5,9 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed import all_reduce as all_reduce_imported_before  # bound before any patching
 
 import utils
 from utils import bytecount
@@ -104,6 +106,63 @@ def _send_to_missing_peers():
     return messages, counter.summary()["messages_sent"]
 
 
+def _send_to_itself():
+    """Each way of naming the calling rank as the peer: refused with a ValueError before gloo sees it."""
+    rank, device = dist.get_rank(), utils.device()
+    messages = []
+    with bytecount.count_bytes() as counter:
+        for call in (lambda: dist.send(torch.ones(1, device=device), rank),
+                     lambda: dist.irecv(torch.ones(1, device=device), src=rank),
+                     lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(1, device=device), rank)]),
+                     lambda: dist.group.WORLD.send([torch.ones(1, device=device)], rank, 0)):
+            try:
+                call()
+            except ValueError as err:
+                messages.append(str(err))
+    return messages, counter.summary()["messages_sent"]
+
+
+def _group_methods_are_counted():
+    """Rank 0 sends 3 float32 to rank 1 through the process group's own methods, past dist.send."""
+    rank, device = dist.get_rank(), utils.device()
+    group = dist.group.WORLD
+    with bytecount.count_bytes() as counter:
+        if rank == 0:
+            group.send([torch.ones(3, device=device)], 1, 0).wait()
+            dist.send(torch.ones(2, device=device), 1)  # counted once, as dist.send
+        else:
+            group.recv([torch.empty(3, device=device)], 0, 0).wait()
+            dist.recv(torch.empty(2, device=device), 0)
+    return counter.summary()
+
+
+def _every_route_to_a_collective_is_forbidden():
+    """A built-in collective reached past dist.<name>: each raises inside forbid_collectives()."""
+    device = utils.device()
+    t = torch.ones(2, device=device)
+    group = dist.group.WORLD
+    caught = {}
+    with bytecount.forbid_collectives():
+        for name, call in [
+            ("imported before", lambda: all_reduce_imported_before(t)),
+            ("group method", lambda: group.allreduce([t])),
+            ("backend method", lambda: group._get_backend(device).allreduce([t])),
+            ("barrier method", lambda: group.barrier()),
+            ("functional", lambda: funcol.all_reduce(t, "sum", group)),
+            ("operator", lambda: torch.ops.c10d.allreduce_),
+            ("operator send", lambda: torch.ops.c10d.send),
+        ]:
+            try:
+                call = call()
+                if name.startswith("operator"):
+                    call([t], group, 0, 0)  # the patched operator raises before it reads its arguments
+            except bytecount.CollectiveForbiddenError as err:
+                caught[name] = str(err).split(" was called", 1)[0]
+    group.allreduce([t]).wait()  # everything works again afterwards
+    assert torch.ops.c10d.allreduce_ is not None and dist.group.WORLD.allreduce is not None
+    return caught, t.tolist()
+
+
 # ------------------------------------------------------------------ tests
 
 def test_exact_counts_on_a_known_pattern():
@@ -137,6 +196,33 @@ def test_a_peer_that_does_not_exist_is_a_clear_error():
         assert "dst=-1: there is no rank -1" in messages[1]
         assert "src=7: there is no rank 7" in messages[2]
         assert f"dst={rank + 2}: there is no rank {rank + 2}" in messages[3]
+
+
+def test_a_rank_sending_to_itself_is_a_clear_error():
+    for rank, (messages, sent) in enumerate(utils.launch(_send_to_itself, world_size=2, timeout=60)):
+        assert len(messages) == 4 and sent == 0, messages  # every call refused, nothing went out
+        assert messages[0].startswith(f"dist.send with dst={rank}: rank {rank} sent to itself (gloo cannot: "
+                                      "'Pair is not connected')")
+        assert f"dist.irecv with src={rank}: rank {rank} received from itself" in messages[1]
+        assert f"dist.isend with dst={rank}: rank {rank} sent to itself" in messages[2]  # as P2POp names it
+        assert f"ProcessGroup.send with dstRank={rank}: rank {rank} sent to itself" in messages[3]
+
+
+def test_a_process_group_send_is_counted():
+    zero, one = utils.launch(_group_methods_are_counted, world_size=2, timeout=60)
+    assert (zero["sent"], zero["messages_sent"], one["received"], one["messages_received"]) == (20, 2, 20, 2)
+    assert zero["by_op"] == {"group.send": dict(calls=1, sent=12, received=0),
+                             "send": dict(calls=1, sent=8, received=0)}
+    assert zero["by_peer"] == {1: dict(sent=20, received=0)} and one["by_peer"] == {0: dict(sent=0, received=20)}
+
+
+def test_every_route_to_a_collective_is_forbidden():
+    for caught, after in utils.launch(_every_route_to_a_collective_is_forbidden, world_size=2, timeout=60):
+        assert caught == {"imported before": "ProcessGroup.allreduce", "group method": "ProcessGroup.allreduce",
+                          "backend method": "Backend.allreduce", "barrier method": "ProcessGroup.barrier",
+                          "functional": "torch.ops._c10d_functional.all_reduce",
+                          "operator": "torch.ops.c10d.allreduce_", "operator send": "torch.ops.c10d.send"}
+        assert after == [2.0, 2.0]
 
 
 def test_builtin_collectives_are_nominal_and_counted_once():
@@ -190,6 +276,19 @@ def test_patches_nest_and_restore_in_either_order():
         assert getattr(dist, name) is fn, name
         assert getattr(c10d, name) is fn, name
     assert bytecount._active_counters == []
+
+
+def test_process_group_methods_and_operators_are_restored():
+    group_class = torch._C._distributed_c10d.ProcessGroup
+    methods = {name: vars(group_class)[name] for name in ("allreduce", "barrier", "send", "recv")}
+    operator = torch.ops.c10d.allreduce_
+    with bytecount.count_bytes(), bytecount.forbid_collectives():
+        assert vars(group_class)["allreduce"] is not methods["allreduce"]
+        assert vars(group_class)["send"] is not methods["send"]  # counted
+        assert torch.ops.c10d.allreduce_ is not operator
+    for name, method in methods.items():
+        assert vars(group_class)[name] is method, name
+    assert torch.ops.c10d.allreduce_ is operator
 
 
 def test_counter_summary_totals():

@@ -77,7 +77,7 @@ def _fails(match, check, *args, **kwargs):
 def test_reference_solution_passes_every_check(reference, capsys):
     lab1.check_reduce_scatter(reference["reduce_scatter"])
     lab1.check_all_gather(reference["all_gather"])
-    lab1.check_halving_doubling(reference["all_reduce_halving_doubling"], world_sizes=(2, 3, 4, 5, 6, 8))
+    lab1.check_halving_doubling(reference["all_reduce_halving_doubling"], world_sizes=(2, 3, 4, 5, 6, 7, 8))
     lab1.check_cost_model(reference["ring_time"], reference["halving_doubling_time"],
                               reference["crossover_bytes"])
     printed = capsys.readouterr().out
@@ -180,6 +180,26 @@ def rs_uses_all_reduce(tensor):
     return total.tensor_split(dist.get_world_size())[dist.get_rank()]
 
 
+def rs_uses_the_group_method(tensor):
+    """The process group's own allreduce, past dist.all_reduce."""
+    total = tensor.clone()
+    dist.group.WORLD.allreduce([total]).wait()
+    return total.tensor_split(dist.get_world_size())[dist.get_rank()]
+
+
+def rs_direct(tensor):
+    """Every rank sends chunk j straight to rank j: right sums, the ring's bytes, but no ring."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.tensor_split(n)
+    mine = chunks[rank].clone()
+    inbox = torch.empty_like(mine)
+    for shift in range(1, n):
+        to, source = (rank + shift) % n, (rank - shift) % n
+        exchange(chunks[to], to, inbox, source)  # chunk `to` has the size of the receiver's own chunk
+        mine += inbox
+    return mine
+
+
 def test_off_by_one_chunk_is_named():
     message = _fails(r"rank 0.*returned chunk 1 of the sum, expected chunk 0.*off by one chunk",
                      lab1.check_reduce_scatter, rs_returns_next_chunk, world_sizes=(3,))
@@ -192,15 +212,27 @@ def test_wrong_chunk_boundaries_show_expected_shape():
 
 
 def test_hub_reduce_scatter_fails_on_bytes():
-    _fails(r"rank 0, length 24 \(M = 96 bytes\): received 192 bytes, expected 64",
+    _fails(r"rank 0, length 3 \(M = 12 bytes\): received 24 bytes, expected 8.*"
+           r"rank 0, length 3: received 12 bytes from rank 1; around a ring rank 0 sends only to rank 1",
            lab1.check_reduce_scatter, rs_hub, world_sizes=(3,), dtypes=(torch.float32,))
+
+
+def test_a_direct_reduce_scatter_is_not_a_ring():
+    # the bytes are the ring's (N-1)/N × M, so only the peers tell
+    message = _fails(r"rank 0, length 3: sent 4 bytes to rank 2; around a ring rank 0 sends only to rank 1 "
+                     r"\(r\+1\) and receives only from rank 2 \(r-1\)", lab1.check_reduce_scatter, rs_direct,
+                     world_sizes=(3,))
+    assert "rank 0, length 3: received 4 bytes from rank 1; around a ring" in message
+    assert "expected" not in message  # no byte count is wrong
 
 
 def test_no_reduction_and_collectives_are_reported():
     _fails(r"returned its own input.*nothing was added", lab1.check_reduce_scatter, rs_no_reduction,
            world_sizes=(2,))
-    _fails(r"called the built-in collective dist\.all_reduce", lab1.check_reduce_scatter,
+    _fails(r"called dist\.all_reduce, which the checks forbid", lab1.check_reduce_scatter,
            rs_uses_all_reduce, world_sizes=(2,))
+    _fails(r"called ProcessGroup\.allreduce, which the checks forbid", lab1.check_reduce_scatter,
+           rs_uses_the_group_method, world_sizes=(2,))
 
 
 # ------------------------------------------------------------------ wrong all-gathers
@@ -232,6 +264,19 @@ def ag_returns_none(chunk, length):
     return None
 
 
+def ag_receives_from_anyone(chunk, length):
+    """A correct ring whose receives name no source (gloo matches any sender)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(length, dtype=chunk.dtype, device=chunk.device)
+    pieces = out.tensor_split(n)
+    pieces[rank].copy_(chunk)
+    for step in range(n - 1):
+        request = dist.isend(pieces[(rank - step) % n], (rank + 1) % n)
+        dist.irecv(pieces[(rank - step - 1) % n]).wait()
+        request.wait()
+    return out
+
+
 def test_all_gather_that_forgets_a_chunk():
     _fails(r"rank 0, length 3.*wrong gathered tensor.*wrong chunks: \[1\]", lab1.check_all_gather,
            ag_forgets_a_chunk, world_sizes=(3,))
@@ -242,6 +287,12 @@ def test_deadlock_is_reported_as_such():
     message = _fails(r"no result after 5 s: likely a deadlock.*Where each rank was waiting",
                      lab1.check_all_gather, ag_blocking_ring, world_sizes=(3,), timeout=5)
     assert "ag_blocking_ring" in message  # the stack points at the student's function
+
+
+@pytest.mark.skipif(ON_NCCL, reason="NCCL has no receive from any source")
+def test_a_receive_from_an_unnamed_source_is_reported():
+    _fails(r"rank 0, length 3: received 8 bytes from an unnamed source \(a receive without src\); around a "
+           r"ring rank 0 sends only to rank 1", lab1.check_all_gather, ag_receives_from_anyone, world_sizes=(3,))
 
 
 def test_missing_return_value():
@@ -300,9 +351,104 @@ def test_power_of_two_only_solution_is_rejected():
     lab1.check_halving_doubling(hd_power_of_two_only, world_sizes=(2, 4))  # fine on powers of two
     # rank 2 exchanges with rank 3, which does not exist (on gloo that hangs or crashes with SIGSEGV):
     # the byte counter refuses the peer before the backend sees it
-    _fails(r"failed at N=3.*N=3 is not a power of two: follow the lab's rule for the extra ranks"
+    _fails(r"failed at N=3:\n  N=3 is not a power of two \(p = 2, extra = 1\): the rank pairs \(0, 1\) fold"
+           r".*then the ranks \[1, 2\] run halving-doubling"
            r".*dist.isend with dst=3: there is no rank 3, the ranks are 0 … 2",
            lab1.check_halving_doubling, hd_power_of_two_only, world_sizes=(3,), timeout=5)
+
+
+def _halving_doubling(tensor, rank_at, position_of):
+    """The lab's algorithm, with the position -> rank and rank -> position mappings passed in."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    result = tensor.clone()
+    p = 1 << (n.bit_length() - 1)
+    extra = n - p
+    if rank < 2 * extra and rank % 2 == 0:  # fold, wait for the sum
+        dist.send(result, rank + 1)
+        dist.recv(result, rank + 1)
+        return result
+    if rank < 2 * extra:
+        inbox = torch.empty_like(result)
+        dist.recv(inbox, rank - 1)
+        result += inbox
+    me = position_of(rank, extra)
+    inbox = torch.empty_like(result)
+    lo, hi, history, distance = 0, result.numel(), [], p // 2
+    while distance >= 1:
+        partner = rank_at(me ^ distance, extra)
+        mid = lo + (hi - lo) // 2
+        keep, give = ((lo, mid), (mid, hi)) if me & distance == 0 else ((mid, hi), (lo, mid))
+        exchange(result[give[0]:give[1]], partner, inbox[keep[0]:keep[1]], partner)
+        result[keep[0]:keep[1]] += inbox[keep[0]:keep[1]]
+        history.append((lo, hi))
+        lo, hi = keep
+        distance //= 2
+    distance = 1
+    for outer_lo, outer_hi in reversed(history):
+        partner = rank_at(me ^ distance, extra)
+        other = (hi, outer_hi) if lo == outer_lo else (outer_lo, lo)
+        exchange(result[lo:hi], partner, result[other[0]:other[1]], partner)
+        lo, hi = outer_lo, outer_hi
+        distance *= 2
+    if rank < 2 * extra:
+        dist.send(result, rank - 1)
+    return result
+
+
+def _lab_position(rank, extra):
+    return rank // 2 if rank < 2 * extra else rank - extra
+
+
+def hd_shifted_positions(tensor):
+    """Position q taken to be rank q + extra for every q. While one pair folds (N = 3, 5) that is right:
+    position 0 is rank 1 = 0 + 1. With two folded pairs (N = 6) position 0 becomes rank 2, a folded rank,
+    instead of rank 1."""
+    return _halving_doubling(tensor, lambda q, extra: q + extra, _lab_position)
+
+
+def hd_position_as_rank(tensor):
+    """The partner's position used as its rank: at N = 3 rank 1 (position 0) exchanges with "rank" 0 XOR 1."""
+    return _halving_doubling(tensor, lambda q, extra: q, _lab_position)
+
+
+SIX_RANKS_IN_ANOTHER_ORDER = [1, 4, 5, 3]  # the lab's rule gives positions to [1, 3, 4, 5]
+
+
+def hd_positions_in_another_order(tensor):
+    """Correct sums and bytes at N = 6, but positions given in another order than the lab's rule."""
+    order = SIX_RANKS_IN_ANOTHER_ORDER
+    return _halving_doubling(tensor, lambda q, extra: order[q], lambda rank, extra: order.index(rank))
+
+
+def test_the_lab_mapping_passes():
+    lab1.check_halving_doubling(
+        lambda t: _halving_doubling(t, lambda q, e: 2 * q + 1 if q < e else q + e, _lab_position),
+        world_sizes=(3, 6), dtypes=(torch.float32,))
+
+
+def test_a_rank_mapping_right_for_one_folded_pair_fails_at_six():
+    # N = 2, 3, 4 (and 5) cannot tell this mapping from the lab's; N = 6, in the visible check, can
+    lab1.check_halving_doubling(hd_shifted_positions, world_sizes=(2, 3, 4, 5), dtypes=(torch.float32,))
+    _fails(r"at N=6.*\n  N=6 is not a power of two \(p = 4, extra = 2\): the rank pairs \(0, 1\), \(2, 3\) fold"
+           r".*then the ranks \[1, 3, 4, 5\] run halving-doubling, the q-th of them at position q",
+           lab1.check_halving_doubling, hd_shifted_positions, world_sizes=(6,), timeout=10)
+    assert 6 in lab1.HALVING_DOUBLING_WORLD_SIZES  # the notebook's visible check runs N = 6
+
+
+def test_a_position_used_as_a_rank_is_named_before_gloo_sees_it():
+    message = _fails(r"failed at N=3:\n  N=3 is not a power of two.*the ranks \[1, 2\] run halving-doubling.*"
+                     r"never use a position as a rank number.*"
+                     r"dist\.isend with dst=1: rank 1 sent to itself",
+                     lab1.check_halving_doubling, hd_position_as_rank, world_sizes=(3,), timeout=10)
+    assert "Pair is not connected ([" not in message  # refused before gloo's own error
+
+
+def test_partners_out_of_the_lab_order_are_named():
+    message = _fails(r"rank 1, length 6: sent \d+ bytes to rank 5; rank 1 is at position 0 of the ranks "
+                     r"\[1, 3, 4, 5\] that run halving-doubling, so its partners are the ranks at positions "
+                     r"0 XOR 2, 1: \[3, 4\], and rank 0",
+                     lab1.check_halving_doubling, hd_positions_in_another_order, world_sizes=(6,))
+    assert "expected" not in message  # sums and bytes are right: only the partners are not
 
 
 def test_sum_missing_a_contribution_names_the_chunks():
@@ -315,7 +461,8 @@ def test_sum_missing_a_contribution_names_the_chunks():
 def test_a_ring_is_not_halving_doubling():
     _fails(r"sent 6 messages, at most 4 expected", lab1.check_halving_doubling, ring_all_reduce,
            world_sizes=(4,))
-    _fails(r"rank 1, length 24 \(M = 96 bytes\): sent 128 bytes, expected 192",
+    _fails(r"rank 0, length 24 \(M = 96 bytes\): sent 128 bytes, expected 96 \(folded rank: M out, M back\).*"
+           r"rank 0, length 3: received 16 bytes from rank 2; rank 0 is folded: it exchanges only with rank 1",
            lab1.check_halving_doubling, ring_all_reduce, world_sizes=(3,), dtypes=(torch.float32,))
 
 
@@ -338,7 +485,55 @@ def test_wrong_cost_formulas_fail(reference):
     _fails(r"ring_time\(n=2, .*expected .*2\(N-1\) steps", lab1.check_cost_model, ring_time, hd, crossover)
     _fails(r"halving_doubling_time\(n=3, .*fold", lab1.check_cost_model, ring, halving_doubling_time,
            crossover)
-    _fails(r"crossover_bytes\(n=2, .*expected inf", lab1.check_cost_model, ring, hd, crossover_bytes)
+    _fails(r"crossover_bytes\(n=2, .*expected math\.inf: N=2 is a power of two", lab1.check_cost_model, ring,
+           hd, crossover_bytes)
+
+
+def crossover_by_subtraction(n, alpha, beta, ring_time, halving_doubling_time):
+    """Solve ring = halving-doubling from the two cost functions, without a special case for equal slopes:
+    at a power of two the slopes differ only by round-off, which leaves a huge number of either sign."""
+    saved = ring_time(n, 0, alpha, beta) - halving_doubling_time(n, 0, alpha, beta)
+    lost = ((halving_doubling_time(n, 1, alpha, beta) - halving_doubling_time(n, 0, alpha, beta))
+            - (ring_time(n, 1, alpha, beta) - ring_time(n, 0, alpha, beta)))
+    return math.inf if lost == 0 else max(0.0, saved / lost)
+
+
+def test_crossover_in_whole_bytes_or_huge_for_never_is_accepted(reference, capsys):
+    ring, hd, exact = reference["ring_time"], reference["halving_doubling_time"], reference["crossover_bytes"]
+    for rounding in (math.floor, round, math.ceil):
+        lab1.check_cost_model(ring, hd, lambda n, a, b: exact(n, a, b) if exact(n, a, b) == math.inf
+                              else rounding(exact(n, a, b)))
+    # on the lab's cases round-off leaves huge positive numbers (1.2e16 at N = 8): "never slower" too
+    assert crossover_by_subtraction(8, 5e-6, 1 / 100e9, ring, hd) > 1e15
+    lab1.check_cost_model(ring, hd, lambda n, a, b: crossover_by_subtraction(n, a, b, ring, hd))
+    assert "crossover_bytes matches the α-β model on 11 cases" in capsys.readouterr().out
+    # on others it leaves a huge negative one, clamped to 0.0: wrong, and the message says why
+    assert crossover_by_subtraction(16, 2e-6, 1 / 25e9, ring, hd) == 0.0
+    _fails(r"crossover_bytes\(n=16, alpha=2e-06, beta=4e-11\) = 0\.0, expected math\.inf: .*round-off",
+           lab1.check_cost_model, ring, hd, lambda n, a, b: crossover_by_subtraction(n, a, b, ring, hd),
+           cases=[(16, 4e3, 2e-6, 1 / 25e9)])
+
+
+def test_acceptance_rules():
+    assert lab1.accept_crossover(math.inf, math.inf) and lab1.accept_crossover(1e15, math.inf)
+    assert lab1.accept_crossover(5.9e15, math.inf) and not lab1.accept_crossover(1e14, math.inf)
+    want = lab1.reference_crossover(6, 10e-6, 1 / 50e9)  # 1090909.09 bytes
+    assert all(lab1.accept_crossover(got, want) for got in (1090909, 1090910, want, 1090909.5))
+    assert not any(lab1.accept_crossover(got, want) for got in (1090907, 1090911, math.inf, float("nan"),
+                                                                 True, "1090909", None))
+    want = lab1.reference_crossover(1000, 5e-6, 1 / 100e9)  # 494971769.97 bytes: 1e-6 relative is 495 bytes
+    assert lab1.accept_crossover(want + 490, want) and not lab1.accept_crossover(want + 500, want)
+    assert lab1.accept_crossover(0, 0.0) and not lab1.accept_crossover(2.0, 0.0)
+    assert lab1.accept_time(1e-5 * (1 + 1e-12), 1e-5) and not lab1.accept_time(1.001e-5, 1e-5)
+    assert not lab1.accept_time(torch.tensor(1e-5), 1e-5) and not lab1.accept_time(math.nan, 1e-5)
+
+
+def test_a_time_that_is_not_a_number_is_named(reference):
+    def ring_time(n, nbytes, alpha, beta):
+        return torch.tensor(reference["ring_time"](n, nbytes, alpha, beta))
+
+    _fails(r"ring_time\(n=2, nbytes=1000, alpha=5e-06, beta=1e-11\) returned Tensor .*return a number",
+           lab1.check_cost_model, ring_time, reference["halving_doubling_time"], reference["crossover_bytes"])
 
 
 def test_halving_doubling_bytes_formula():

@@ -7,10 +7,17 @@ Two context managers, both active only in the process (rank) that enters them:
   size of the tensor handed to the call, on whatever device it lives. The counter cannot see inside
   a built-in collective, so for those it records a *nominal* volume: what the textbook algorithm named in
   ``NOMINAL_ALGORITHM`` moves per rank. The two are kept apart (``sent`` vs ``nominal_sent``).
-  A point-to-point call naming a rank that does not exist raises a ``ValueError`` that says so (gloo
-  itself may hang or crash on one).
-- ``forbid_collectives()`` makes every built-in collective raise ``CollectiveForbiddenError``, so code run
-  inside it provably communicates through point-to-point calls only.
+  A process group's own ``send``/``recv`` methods (what every ``dist.send`` ends in) are counted too, so a
+  call that reaches them another way (``dist.group.WORLD.send(...)``, or a ``send`` imported before the
+  block) is not missed. A point-to-point call naming a rank that does not exist, or the calling rank
+  itself, raises a ``ValueError`` that says so (gloo itself may hang, crash, or report "Pair is not
+  connected").
+- ``forbid_collectives()`` makes every built-in collective raise ``CollectiveForbiddenError``, however it is
+  reached: ``dist.<name>``, a name imported before the block (``from torch.distributed import all_reduce``),
+  the methods of a process group and of its backends (``dist.group.WORLD.allreduce([t])``), and the
+  operators under ``torch.ops.c10d`` and ``torch.ops._c10d_functional`` (the functional collectives; their
+  point-to-point operators too, which the counter cannot see). Code run inside it provably communicates
+  through the counted point-to-point calls only — short of deliberate tampering with this module.
 
 Typical use inside a function run on every rank by ``utils.launch``::
 
@@ -28,8 +35,10 @@ import sys
 import threading
 from collections import defaultdict
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch._C import _distributed_c10d as _c10d_classes
 
 # The calls whose bytes are exact: the tensor handed over is what travels.
 POINT_TO_POINT = ("send", "recv", "isend", "irecv")
@@ -57,6 +66,27 @@ NOMINAL_ALGORITHM = {
 
 # The modules whose attributes user code reaches the calls through (``dist.send``, ``c10d.send``).
 _MODULES = (dist, c10d)
+
+# The same calls as methods of a process group (``dist.group.WORLD.allreduce([t])``) and of its backends
+# (``group._get_backend(device).allreduce([t])``): every ``dist.<call>`` ends in one of them.
+GROUP_POINT_TO_POINT = ("send", "recv", "recv_anysource")
+GROUP_COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
+    "_allgather_base", "all_gather_single", "all_gather_single_coalesced", "reduce_scatter",
+    "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+    "_reduce_scatter_base", "alltoall", "alltoall_base", "all_to_all_single", "broadcast", "reduce", "gather",
+    "scatter", "barrier", "monitored_barrier",
+)
+
+# Operator namespaces through which communication can be called directly (``torch.ops.c10d.allreduce_``);
+# the functional collectives (torch.distributed._functional_collectives) call ``_c10d_functional``'s.
+# Inside forbid_collectives() every operator there raises, except these two, which move nothing.
+OP_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+NOT_COMMUNICATION = ("check_for_nan", "wait_tensor")
+
+# Record names of the calls that put one message on the wire, or take one off it.
+_SENDS = ("send", "isend", "group.send")
+_RECEIVES = ("recv", "irecv", "group.recv", "group.recv_anysource")
 
 
 def tensor_bytes(tensor) -> int:
@@ -103,12 +133,12 @@ class ByteCounter:
     @property
     def messages_sent(self) -> int:
         """Number of send/isend calls: each one pays the per-message latency alpha."""
-        return sum(1 for r in self.records if r["op"] in ("send", "isend"))
+        return sum(1 for r in self.records if r["op"] in _SENDS)
 
     @property
     def messages_received(self) -> int:
         """Number of recv/irecv calls."""
-        return sum(1 for r in self.records if r["op"] in ("recv", "irecv"))
+        return sum(1 for r in self.records if r["op"] in _RECEIVES)
 
     def reset(self):
         """Forget everything recorded so far."""
@@ -135,33 +165,66 @@ class ByteCounter:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Patching machinery: replace ``dist.<name>`` (and the same name in distributed_c10d) for the duration of a
+# Patching machinery: replace a call where user code finds it — ``dist.<name>`` (and the same name in
+# distributed_c10d), a process-group class's method, an operator under ``torch.ops`` — for the duration of a
 # ``with`` block, restoring whatever was there before, so the two context managers nest in any order.
 
 _active_counters: list[ByteCounter] = []
 _inside = threading.local()  # guards against counting a call twice when one wrapped call makes another
 
 
+def _module_targets(names):
+    """(holder, name, label) for ``dist.<name>`` and ``distributed_c10d.<name>``, where they exist."""
+    return [(module, name, f"dist.{name}") for name in names for module in _MODULES
+            if getattr(module, name, None) is not None]
+
+
+def _group_classes():
+    """ProcessGroup, Backend and every subclass of them (ProcessGroupGloo, ProcessGroupNCCL, ...)."""
+    found, todo = [], [_c10d_classes.ProcessGroup, _c10d_classes.Backend]
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found.append(cls)
+            todo += cls.__subclasses__()
+    return found
+
+
+def _method_targets(names):
+    """(class, name, label) for every process-group class that defines one of `names` itself."""
+    return [(cls, name, f"{cls.__name__}.{name}") for cls in _group_classes() for name in names
+            if name in vars(cls)]
+
+
+def _op_targets():
+    """(namespace, op, label) for every communication operator under OP_NAMESPACES."""
+    ops = set()
+    for qualified in getattr(torch._C, "_dispatch_get_all_op_names", list)():  # a private API: may go
+        namespace, _, op = qualified.partition("::")
+        op = op.split(".")[0]
+        if namespace in OP_NAMESPACES and op not in NOT_COMMUNICATION:
+            ops.add((namespace, op))
+    return [(getattr(torch.ops, namespace), op, f"torch.ops.{namespace}.{op}") for namespace, op in sorted(ops)]
+
+
 @contextlib.contextmanager
-def _patched(names, make_wrapper):
+def _patched(targets, make_wrapper):
+    """Install make_wrapper(label, name, original) at every (holder, name, label) of `targets`."""
     saved = []
-    # One wrapper per function, installed under every module that holds it: ``dist.P2POp`` and
+    # One wrapper per function, installed under every holder of it: ``dist.P2POp`` and
     # ``dist.batch_isend_irecv`` check ``op`` against distributed_c10d's own ``isend``/``irecv`` by identity.
     wrappers = {}
     try:
-        for name in names:
-            for module in _MODULES:
-                original = getattr(module, name, None)
-                if original is None:
-                    continue
-                saved.append((module, name, original))
-                if (name, id(original)) not in wrappers:
-                    wrappers[name, id(original)] = make_wrapper(name, original)
-                setattr(module, name, wrappers[name, id(original)])
+        for holder, name, label in targets:
+            original = vars(holder)[name] if isinstance(holder, type) else getattr(holder, name)
+            saved.append((holder, name, original))
+            if id(original) not in wrappers:
+                wrappers[id(original)] = make_wrapper(label, name, original)
+            setattr(holder, name, wrappers[id(original)])
         yield
     finally:
-        for module, name, original in reversed(saved):
-            setattr(module, name, original)
+        for holder, name, original in reversed(saved):
+            setattr(holder, name, original)
 
 
 def _peer(bound, key):
@@ -202,23 +265,33 @@ def _nominal_volume(name, bound):
     return (n - 1) * m // n, (n - 1) * m // n
 
 
-def _existing_peer(name, bound, key):
-    """The peer of a point-to-point call (None: any source); a ValueError if no such rank exists.
+def _check_peer(label, key, peer, size, me, sending):
+    """Refuse a peer that is no rank of the group, or the calling rank itself, before the backend sees it.
 
-    gloo may crash or hang on a peer outside the group, so the mistake is named before the call.
+    gloo may crash or hang on a peer outside the group, and fails with "Pair is not connected" on itself.
     """
+    if not 0 <= peer < size:
+        raise ValueError(f"{label} with {key}={peer}: there is no rank {peer}, the ranks are "
+                         f"0 … {size - 1}. Check how the peer rank is computed (a missing % N?).")
+    if peer == me:
+        raise ValueError(f"{label} with {key}={peer}: rank {me} {'sent to' if sending else 'received from'} "
+                         "itself (gloo cannot: 'Pair is not connected'). Check how the peer rank is computed: "
+                         "is a position among some of the ranks used as a rank?")
+
+
+def _existing_peer(name, bound, key):
+    """The peer of a point-to-point call (None: any source), checked by `_check_peer`."""
     peer = _peer(bound, key)
     if peer is None:
         return None
     # dst/src are global ranks; group_dst/group_src count within the group
-    size = dist.get_world_size(None if bound.arguments.get(key) is not None else bound.arguments.get("group"))
-    if not 0 <= peer < size:
-        raise ValueError(f"dist.{name} with {key}={peer}: there is no rank {peer}, the ranks are "
-                         f"0 … {size - 1}. Check how the peer rank is computed (a missing % N?).")
+    group = None if bound.arguments.get(key) is not None else bound.arguments.get("group")
+    _check_peer(f"dist.{name}", key, peer, dist.get_world_size(group), dist.get_rank(group),
+                sending=name in ("send", "isend"))
     return peer
 
 
-def _counting_wrapper(name, original):
+def _counting_wrapper(label, name, original):
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -249,27 +322,57 @@ def _counting_wrapper(name, original):
     return wrapper
 
 
+def _group_counting_wrapper(label, name, original):
+    """Count a process group's send/recv called directly (not from inside a counted ``dist.<call>``)."""
+    sending = name == "send"
+
+    @functools.wraps(original)
+    def wrapper(group, tensors, *args, **kwargs):
+        if getattr(_inside, "depth", 0) or not _active_counters:
+            return original(group, tensors, *args, **kwargs)
+        peer = None
+        if name != "recv_anysource":
+            key = "dstRank" if sending else "srcRank"
+            peer = args[0] if args else kwargs[key]
+            _check_peer(label, key, peer, group.size(), group.rank(), sending)
+        _inside.depth = 1
+        try:
+            result = original(group, tensors, *args, **kwargs)
+        finally:
+            _inside.depth = 0
+        nbytes = sum(map(tensor_bytes, tensors))
+        for counter in _active_counters:
+            counter.add(f"group.{name}", sent=nbytes if sending else 0, received=0 if sending else nbytes,
+                        peer=peer)
+        return result
+
+    return wrapper
+
+
 @contextlib.contextmanager
 def count_bytes():
     """Count bytes this rank sends and receives inside the block; yields a ``ByteCounter``.
 
-    Point-to-point counts are exact; built-in collectives are counted as nominal (see NOMINAL_ALGORITHM).
+    Point-to-point counts are exact; built-in collectives called as ``dist.<name>`` are counted as nominal
+    (see NOMINAL_ALGORITHM); a process group's send/recv methods called directly are counted as
+    ``group.send``/``group.recv`` (peer: the rank within that group).
     A byte is counted when the call is made (for isend/irecv: when posted, not when completed).
     """
     counter = ByteCounter()
     _active_counters.append(counter)
     try:
-        with _patched(POINT_TO_POINT + COLLECTIVES, _counting_wrapper):
+        with _patched(_module_targets(POINT_TO_POINT + COLLECTIVES), _counting_wrapper), \
+                _patched(_method_targets(GROUP_POINT_TO_POINT), _group_counting_wrapper):
             yield counter
     finally:
         _active_counters.remove(counter)
 
 
-def _forbidding_wrapper(name, original):
+def _forbidding_wrapper(label, name, original):
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         raise CollectiveForbiddenError(
-            f"dist.{name} was called inside forbid_collectives(): "
+            f"{label} was called inside forbid_collectives(): "
             "this code must communicate with send/recv/isend/irecv only"
         )
 
@@ -280,16 +383,20 @@ def _forbidding_wrapper(name, original):
 def forbid_collectives():
     """Make every built-in collective raise ``CollectiveForbiddenError`` inside the block.
 
-    Covers ``dist.<collective>``, ``torch.distributed.distributed_c10d.<collective>`` and the
-    ``utils.collectives`` shims (if loaded). Point-to-point calls keep working.
+    Covers ``dist.<collective>``, ``torch.distributed.distributed_c10d.<collective>``, the ``utils.collectives``
+    shims (if loaded), the collective methods of every process-group and backend class (which also catches
+    a collective imported by name before the block), and the operators under OP_NAMESPACES.
+    ``dist.send``/``recv``/``isend``/``irecv`` and a process group's ``send``/``recv`` keep working.
     """
     shims = sys.modules.get("utils.collectives")
     shim_names = [n for n in ("all_gather_single", "reduce_scatter_single") if shims and hasattr(shims, n)]
     saved = [(n, getattr(shims, n)) for n in shim_names]
     try:
         for n in shim_names:
-            setattr(shims, n, _forbidding_wrapper(n, getattr(shims, n)))
-        with _patched(COLLECTIVES, _forbidding_wrapper):
+            setattr(shims, n, _forbidding_wrapper(f"utils.collectives.{n}", n, getattr(shims, n)))
+        with _patched(_module_targets(COLLECTIVES), _forbidding_wrapper), \
+                _patched(_method_targets(GROUP_COLLECTIVES), _forbidding_wrapper), \
+                _patched(_op_targets(), _forbidding_wrapper):
             yield
     finally:
         for n, original in saved:

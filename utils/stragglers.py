@@ -67,11 +67,13 @@ class JitterModel:
     hiccup: float = 0.0
 
     @classmethod
-    def fit(cls, samples, hiccup_above: float = 0.25) -> "JitterModel":
-        """Calibrate on measured step times: samples above median × (1 + hiccup_above) are hiccups (their
-        share is p, their mean excess over the rest's mean is the hiccup); the rest give mean and std."""
+    def fit(cls, samples, k: float = 6.0) -> "JitterModel":
+        """Calibrate on measured step times: samples more than k robust standard deviations (1.4826 × the
+        median absolute deviation) above the median are hiccups (their share is p, their mean excess over the
+        rest's mean is the hiccup); the rest give mean and std."""
         xs = list(samples)
-        cut = statistics.median(xs) * (1 + hiccup_above)
+        median = statistics.median(xs)
+        cut = median + k * 1.4826 * statistics.median(abs(x - median) for x in xs)
         normal = [x for x in xs if x <= cut]
         slow = [x for x in xs if x > cut]
         mean, std = statistics.fmean(normal), statistics.pstdev(normal)

@@ -2,7 +2,7 @@
 
 `run_on_ranks` turns every way a distributed function can go wrong into one message a student can act on:
   - not implemented yet (NotImplementedError)        → "replace the stub", and no waiting for a timeout,
-  - a built-in collective used where send/recv only   → which call,
+  - a built-in collective used where send/recv only   → which call (however it was reached),
   - a crash on some rank                              → the rank and its traceback,
   - a hang                                            → "likely deadlock", with where every rank waits.
 The helpers below it word the rest: a wrong answer (rank, element, expected vs got) and a list of problems.
@@ -39,8 +39,8 @@ def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TI
             "dist.recv (post the send and the receive together as one dist.batch_isend_irecv, like "
             "exchange() does, or let even ranks send first and odd ranks receive first; on NCCL an "
             "isend followed by a recv can hang the same way); "
-            "a send without a matching recv (check the peer ranks, that no peer is ≥ N, and that both "
-            "sides agree on the chunk sizes).\n"
+            "a send without a matching recv (check the peer ranks: every send's receiver must post the "
+            "matching receive, from that sender, and both sides must agree on the chunk sizes).\n"
             f"Where each rank was waiting (most recent call last):\n{where}") from None
     except LaunchError as err:
         report = str(err)
@@ -52,8 +52,8 @@ def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TI
         if "CollectiveForbiddenError" in report:
             call = report.split("CollectiveForbiddenError: ", 1)[-1].split(" was called", 1)[0]
             raise LabCheckFailure(
-                f"✗ {what} called the built-in collective {call}: implement it with dist.send, dist.recv, "
-                "dist.isend and dist.irecv only.") from None
+                f"✗ {what} called {call}, which the checks forbid: implement it with dist.send, dist.recv, "
+                "dist.isend and dist.irecv only (also batched by dist.batch_isend_irecv).") from None
         if "Tensors must be CUDA" in report:
             raise LabCheckFailure(
                 f"✗ {what} at N={world_size} handed a CPU tensor to NCCL, which moves GPU tensors only: "
