@@ -104,3 +104,35 @@ def test_dataset_matches_sequences(source):
     x, y = ds[3]
     seq = source.sequences([8], 16)[0]
     assert torch.equal(x, seq[:-1]) and torch.equal(y, seq[1:])
+
+
+def test_best_nll_is_the_chain_itself_and_averages_to_the_floor(source):
+    x, y = source.batch(0, 4, 16)
+    nll = source.best_nll(x, y)
+    assert nll.shape == y.shape and nll.dtype == torch.float64 and bool((nll > 0).all())
+    # a whole context: -log of the table's probability of the next token
+    b, t = 2, 9
+    context = int(x[b, t - 1]) * source.vocab_size + int(x[b, t])
+    assert nll[b, t].item() == pytest.approx(-math.log(source.probs[context, int(y[b, t])].item()), abs=1e-12)
+    # position 0 sees one token: P(next | first) from the stationary law of token pairs
+    pair = source.stationary.reshape(source.vocab_size, source.vocab_size)
+    first = int(x[b, 0])
+    p = (pair[first, int(y[b, 0])] / pair[first].sum()).item()
+    assert nll[b, 0].item() == pytest.approx(-math.log(p), abs=1e-12)
+    # over many tokens the mean per position approaches the exact conditional entropies
+    T = 8
+    xs, ys = source.batch(0, 4000, T)
+    per_position = source.best_nll(xs, ys).mean(0)
+    sd = source.best_nll(xs, ys).std(0) / math.sqrt(4000)
+    exact = torch.tensor(source.conditional_entropies(T), dtype=torch.float64)
+    assert bool(((per_position - exact).abs() < 5 * sd).all())
+
+
+def test_best_nll_for_other_orders():
+    for order in (1, 3):
+        src = MarkovSource(vocab_size=4, order=order, seed=2)
+        xs, ys = src.batch(0, 3000, 6)
+        nll = src.best_nll(xs, ys)
+        assert nll.shape == (3000, 6)
+        mean, sd = nll.mean().item(), nll.std().item() / math.sqrt(nll.numel())
+        assert abs(mean - src.loss_floor(6)) < 5 * sd

@@ -90,3 +90,13 @@ def test_memory_by_category_and_format():
     assert mem["buffers"] == 2 * 32 * 32             # one bool causal mask per layer
     assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.50 KiB"
     assert format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_saved_activations_by_dtype():
+    torch.manual_seed(0)
+    emb, layer = nn.Embedding(10, 4), nn.Linear(4, 3)
+    ids = torch.zeros(5, dtype=torch.long)
+    with saved_activations(emb, layer) as acts:
+        layer(emb(ids))                              # embedding saves the int64 ids, linear its float input
+    assert acts.bytes_by_dtype == {"int64": 5 * 8, "float32": 5 * 4 * 4}
+    assert sum(acts.bytes_by_dtype.values()) == acts.bytes

@@ -113,6 +113,30 @@ class MarkovSource:
                 out.append(self.entropy_rate)
         return out
 
+    def best_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token loss (nats, float64, shape of ``targets``) of the best possible predictor —
+        the chain itself — on a batch from ``batch()``: position t predicts ``targets[:, t]`` from
+        ``inputs[:, :t+1]``. Positions with a whole context pay ``-log probs[context, next]``; the
+        first ``order - 1`` positions pay the conditional of the stationary law of their shorter
+        prefix. Over many tokens its mean approaches ``loss_floor(seq_len)``; over one batch it
+        scatters around it."""
+        k, V = self.order, self.vocab_size
+        inputs, targets = torch.as_tensor(inputs).long(), torch.as_tensor(targets).long()
+        T = inputs.shape[1]
+        tokens = torch.cat([inputs, targets[:, -1:]], dim=1)            # the T + 1 tokens of each row
+        logp = torch.empty(targets.shape, dtype=torch.float64)
+        joint = self.stationary.reshape((V,) * k)                       # law of k consecutive tokens
+        for t in range(min(k - 1, T)):                                   # prefix of t + 1 < k tokens
+            upto_next = joint.sum(dim=tuple(range(t + 2, k))) if t + 2 < k else joint
+            prefix = upto_next.sum(dim=-1)
+            logp[:, t] = (upto_next[tuple(tokens[:, :t + 2].t())] / prefix[tuple(tokens[:, :t + 1].t())]).log()
+        if T >= k:
+            context = torch.zeros(tokens.shape[0], T - k + 1, dtype=torch.long)
+            for j in range(k):                                           # oldest token most significant
+                context = context * V + tokens[:, j:T - k + 1 + j]
+            logp[:, k - 1:] = self.probs.log()[context, tokens[:, k:]]
+        return -logp
+
     def loss_floor(self, seq_len: int) -> float:
         """The lowest possible mean next-token cross-entropy (nats) over
         sequences of ``seq_len`` predictions. Equals the entropy rate for

@@ -97,6 +97,7 @@ class saved_activations:
             tensors += list(m.parameters()) + list(m.buffers())
         self._excluded = set(_storages(tensors))
         self.storages: dict[tuple[str, int], int] = {}
+        self.dtypes: dict[tuple[str, int], torch.dtype] = {}   # storage -> dtype of the tensor saved
         self.num_saved = 0          # tensors autograd saved (including repeats and excluded ones)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -105,6 +106,7 @@ class saved_activations:
         for key, nbytes in _storages([t]).items():
             if key not in self._excluded:
                 self.storages[key] = nbytes
+                self.dtypes[key] = t.dtype
         return t                     # keep autograd's normal behaviour: save the tensor itself
 
     @staticmethod
@@ -115,6 +117,15 @@ class saved_activations:
     def bytes(self) -> int:
         """Distinct bytes saved for backward."""
         return sum(self.storages.values())
+
+    @property
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """Distinct bytes saved for backward, per dtype name ('float32', 'int64', ...)."""
+        out: dict[str, int] = {}
+        for key, nbytes in self.storages.items():
+            name = str(self.dtypes[key]).removeprefix("torch.")
+            out[name] = out.get(name, 0) + nbytes
+        return out
 
     def __enter__(self) -> "saved_activations":
         self._hooks.__enter__()
