@@ -78,7 +78,7 @@ def compare(a: Sequence[float], b: Sequence[float], name_a: str, name_b: str, sc
     sa, sb = Spread.of(a), Spread.of(b)
     detail = f"medians {sa.median * scale:.3g} vs {sb.median * scale:.3g} {unit}"
     if not separated(a, b):
-        return f"{name_a} vs {name_b}: no measurable difference here ({detail}; the spreads overlap)"
+        return f"{name_a} vs {name_b}: no measurable difference here ({detail}; their interquartile ranges overlap)"
     fast, slow = (name_a, name_b) if sa.median < sb.median else (name_b, name_a)
     ratio = max(sa.median, sb.median) / min(sa.median, sb.median)
-    return f"{fast} is {ratio:.2g}× faster than {slow} ({detail}; the spreads do not overlap)"
+    return f"{fast} is {ratio:.2g}× faster than {slow} ({detail}; their interquartile ranges do not overlap)"
