@@ -528,6 +528,16 @@ class _Launch:
 
     def _stop_all(self):
         for proc in getattr(self, "procs", []):
+            # Only a rank still alive: once the forkserver has reaped one, its pid (and group id) can
+            # be reused at once by a rank of another launch, which a stale killpg would kill
+            # (seen as "Gloo connectFullMesh failed ... Connection closed by peer" in a parallel run).
+            # is_alive() is True only before the reaping, so the pid still names our rank.
+            try:
+                alive = proc.is_alive()
+            except (AttributeError, ValueError):  # never started, or already closed
+                continue
+            if not alive:
+                continue
             for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
                 try:  # the group catches anything the rank started; kill() covers a rank not yet in it
                     kill()
@@ -599,6 +609,11 @@ def _rank_main(spec, result_conn, control_conn):
     os.environ.update({_RANK_MARKER: "1", "RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec["store_port"])})
+    # Without a barrier after init, a rank whose fn needs no peer (a print, a refused send) can finish
+    # and exit while a peer is still completing gloo's connection handshake with it, which then fails
+    # with "Gloo connectFullMesh failed ... Connection closed by peer". torch's store-based barrier
+    # holds every rank until all have connected.
+    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     stack_file = open(spec["stack_file"], "w")
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
