@@ -1,11 +1,12 @@
-"""Memory accounting: known sizes, storages counted once, tied embeddings, activations."""
+"""Memory accounting: known sizes, storages counted once, tied embeddings, activations, ZeRO formulas."""
 
+import pytest
 import torch
 import torch.nn as nn
 
 from utils.memory import (format_bytes, gradient_bytes, memory_by_category, naive_bytes,
                           optimizer_state_bytes, parameter_bytes, saved_activations,
-                          unique_storage_bytes)
+                          unique_storage_bytes, zero_model_state_bytes)
 from utils.model import GPT, GPTConfig
 
 
@@ -100,3 +101,32 @@ def test_saved_activations_by_dtype():
         layer(emb(ids))                              # embedding saves the int64 ids, linear its float input
     assert acts.bytes_by_dtype == {"int64": 5 * 8, "float32": 5 * 4 * 4}
     assert sum(acts.bytes_by_dtype.values()) == acts.bytes
+
+
+def test_zero_model_state_bytes_hand_computed():
+    # Ψ = 1000 parameters on N = 8 ranks, mixed-precision Adam (2 + 2 + 12 bytes per parameter)
+    assert zero_model_state_bytes(1000, 8, 0) == 16_000                 # DDP: 16 Ψ
+    assert zero_model_state_bytes(1000, 8, 1) == 4_000 + 1_500          # 4Ψ + 12Ψ/8
+    assert zero_model_state_bytes(1000, 8, 2) == 2_000 + 1_750          # 2Ψ + 14Ψ/8
+    assert zero_model_state_bytes(1000, 8, 3) == 2_000                  # 16Ψ/8
+    # the ZeRO paper's example: 7.5B parameters on 64 GPUs -> 120 GB, 31.4 GB, 16.6 GB, 1.875 GB
+    psi = 7_500_000_000
+    assert zero_model_state_bytes(psi, 64, 0) == 120e9
+    assert zero_model_state_bytes(psi, 64, 1) == 30e9 + 1.40625e9
+    assert zero_model_state_bytes(psi, 64, 2) == 15e9 + 1.640625e9
+    assert zero_model_state_bytes(psi, 64, 3) == 1.875e9
+    # fp32 Adam on a CPU (4 + 4 + 8), N = 4, a size N does not divide
+    fp32 = dict(param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8)
+    assert zero_model_state_bytes(10, 4, 0, **fp32) == 160
+    assert zero_model_state_bytes(10, 4, 1, **fp32) == 80 + 20
+    assert zero_model_state_bytes(10, 4, 2, **fp32) == 40 + 30
+    assert zero_model_state_bytes(10, 4, 3, **fp32) == 40
+    # one rank: nothing to shard, every stage is DDP
+    assert {zero_model_state_bytes(1000, 1, s) for s in range(4)} == {16_000}
+
+
+def test_zero_model_state_bytes_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        zero_model_state_bytes(1000, 8, 4)
+    with pytest.raises(ValueError):
+        zero_model_state_bytes(1000, 0, 1)

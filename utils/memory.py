@@ -13,6 +13,8 @@ counted once, which is what the allocator actually holds. Categories:
   parameters and buffers that autograd also saves are not activations and are
   left out)
 - buffers: non-parameter module state (e.g. a causal mask)
+
+``zero_model_state_bytes`` is the formula side: per-rank model-state bytes of DDP and ZeRO stages 1–3.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 __all__ = [
     "storage_key", "unique_storage_bytes", "naive_bytes", "parameter_bytes", "gradient_bytes",
     "optimizer_state_bytes", "buffer_bytes", "saved_activations", "memory_by_category", "format_bytes",
+    "zero_model_state_bytes",
 ]
 
 
@@ -155,3 +158,28 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def zero_model_state_bytes(num_params: int, world_size: int, stage: int, optimizer_bytes_per_param: int = 12,
+                           param_bytes: int = 2, grad_bytes: int = 2) -> float:
+    """Per-rank bytes of model state (parameters + gradients + optimizer state) under ZeRO.
+
+    Ψ = num_params, N = world_size, K = optimizer_bytes_per_param; stage 0 is plain DDP (nothing sharded):
+
+    - stage 0: (P + G + K)·Ψ            every rank holds everything
+    - stage 1: (P + G)·Ψ + K·Ψ/N        optimizer state sharded
+    - stage 2: P·Ψ + (G + K)·Ψ/N        gradients sharded too
+    - stage 3: (P + G + K)·Ψ/N          parameters sharded too
+
+    The defaults are the ZeRO paper's mixed-precision Adam: fp16 parameters and gradients (P = G = 2) and
+    K = 12 bytes of optimizer state (fp32 master weights, momentum, variance). fp32 training, as on a CPU:
+    param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8 (Adam's two moments). Returns the exact value
+    (a float where N does not divide the sharded part); activations and buffers are not model state.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage}")
+    if world_size < 1 or num_params < 0:
+        raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size}, {num_params}")
+    replicated = (param_bytes + grad_bytes + optimizer_bytes_per_param, param_bytes + grad_bytes, param_bytes, 0)[stage]
+    sharded = param_bytes + grad_bytes + optimizer_bytes_per_param - replicated
+    return replicated * num_params + sharded * num_params / world_size
