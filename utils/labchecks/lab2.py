@@ -82,7 +82,7 @@ BUCKET_SIZES_MB = (1e-5, 1 / 128, 4.0)
 OVERLAP_BUCKET_MB = 1 / 32   # 32 KiB: about two of OVERLAP's layers per bucket
 
 
-def make_case(model, bucket_size_mb, steps=3, batch=8, seq_len=6, seed=0):
+def make_case(model, bucket_size_mb, steps=3, batch=12, seq_len=6, seed=0):
     """One case, as plain data."""
     return dict(model=dict(model), bucket_size_mb=bucket_size_mb, steps=steps, batch=batch, seq_len=seq_len,
                 seed=seed)
@@ -168,7 +168,9 @@ def run_case(Wrapper, case):
     x, y = global_batch(case, 0)
     x, y = shard(x, rank, n).to(device), shard(y, rank, n).to(device)
     with torch.no_grad():
-        result["outputs"] = (wrapper(x, y).detach().cpu(), model(x, y).detach().cpu())
+        out = wrapper(x, y)
+        out = out.detach().cpu() if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+        result["outputs"] = (out, model(x, y).detach().cpu())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(case["steps"]):
         x, y = global_batch(case, step)
@@ -263,6 +265,7 @@ def _diagnose_gradient(got, want, local, world_size):
 def judge_construction(case, world_size, results, reference):
     """Problems with what Wrapper(...) left behind: broadcast state, `.module`, forward passthrough."""
     spec, problems = case["model"], []
+    buffers = {name for name, _ in build_model(spec, 0).named_buffers()}
     for rank, r in enumerate(results):
         if not r["module_ok"]:
             problems.append(f"rank {rank}: wrapper.module is not the module passed to the wrapper "
@@ -272,14 +275,14 @@ def judge_construction(case, world_size, results, reference):
             if got is None:
                 problems.append(f"rank {rank}, {label(spec, name)}: missing from the module after construction")
             elif not torch.equal(got, want):
-                kind = "buffer" if name in ("shift",) else "parameter"
+                kind = "buffer" if name in buffers else "parameter"
                 problems.append(f"rank {rank}, {kind} {label(spec, name)}: not rank 0's value after "
                                 f"construction ({_first_difference(got, want)}): broadcast every parameter "
                                 "and buffer from rank 0 in __init__")
         wrapped, plain = r["outputs"]
         if not (isinstance(wrapped, torch.Tensor) and wrapped.shape == plain.shape and close(wrapped, plain)):
             problems.append(f"rank {rank}: wrapper(x, y) returned {wrapped!r}, expected module(x, y) = "
-                            f"{plain!r}: forward must pass its arguments to the module and return its result")
+                            f"{plain.item():.6g}: forward must pass its arguments to the module and return its result")
         elif not close(plain, reference["outputs"][rank]):
             problems.append(f"rank {rank}: the module's loss {plain.item():.6g} differs from rank 0's model on "
                             f"this rank's batch ({reference['outputs'][rank].item():.6g}): are all parameters "
