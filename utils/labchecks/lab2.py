@@ -22,14 +22,13 @@ A case is plain data too (a dict: model spec, bucket size, steps, seed), so it c
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 import torch.distributed as dist
 
 from .. import bytecount, launching, trace
 from ..checks import check
-from .harness import TIMEOUT, LabCheckFailure, fmt, report, run_on_ranks
+from .harness import TIMEOUT, fmt, report, run_on_ranks
 
 WORLD_SIZES = (2, 4)
 MiB = 2**20
