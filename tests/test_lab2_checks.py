@@ -1,0 +1,242 @@
+"""utils.labchecks.lab2: the reference wrapper passes; wrong wrappers fail with a useful message.
+
+The reference is read from labs/lab2_ddp.ipynb (its import cell and its solution cell), so the lab and these
+tests cannot drift apart. Each wrong wrapper below has one typical mistake and is otherwise a correct
+bucketed wrapper.
+"""
+import re
+import sys
+from pathlib import Path
+
+import cloudpickle
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+from utils.labchecks import lab2
+from utils.labchecks.harness import LabCheckFailure
+
+# Ship this module's classes by value, exactly as classes defined in a notebook cell travel.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+LAB = Path(__file__).resolve().parents[1] / "labs" / "lab2_ddp.ipynb"
+_SOLUTION_REGION = re.compile(r"^([ \t]*)# BEGIN SOLUTION\n.*?^[ \t]*# END SOLUTION[ \t]*$", re.S | re.M)
+
+
+def _lab_class(student=False):
+    """DDPBucketed from the lab's import cell + solution cell; student=True stubs every solution region.
+
+    The import cell and the solution cell alone define the class: what a student pastes into a .py file.
+    """
+    nb = nbformat.read(str(LAB), as_version=4)
+    imports = [c for c in nb.cells if c.cell_type == "code" and "from utils.labchecks import lab2" in c.source]
+    solutions = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution")]
+    assert len(imports) == 1 and len(solutions) == 1, "lab 2 has one import cell and one solution cell"
+    source = solutions[0].source
+    if student:
+        source = _SOLUTION_REGION.sub(lambda m: f"{m.group(1)}raise NotImplementedError()", source)
+    namespace = {"__name__": "lab2_student" if student else "lab2_reference"}
+    exec(compile(imports[0].source + "\n" + source, "<lab2>", "exec"), namespace)
+    return namespace["DDPBucketed"]
+
+
+def _fails(match, check, *args, **kwargs):
+    """Run a check that must fail; return its message (and assert it matches `match`)."""
+    with pytest.raises(LabCheckFailure) as info:
+        check(*args, **kwargs)
+    message = str(info.value)
+    assert re.search(match, message, re.S), message
+    return message
+
+
+# ------------------------------------------------------------------ a correct wrapper, with knobs to break it
+
+class Wrapper(torch.nn.Module):
+    """A bucketed wrapper (arrival order, launched from the hook), with one switch per typical mistake."""
+    average = True           # False: sums the gradients
+    launch_in_hook = True    # False: every bucket launched in finish_gradient_synchronization()
+    names_with_duplicates = False   # True: counts a tied parameter under both its names
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__()
+        self.module = module
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.expected = (sum(p.requires_grad for _, p in module.named_parameters(remove_duplicate=False))
+                         if self.names_with_duplicates else len(self.params))
+        self.cap = bucket_size_mb * 2**20
+        self.filling, self.filled, self.ready, self.in_flight, self.pending = [], 0, 0, [], []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.ready_hook)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def ready_hook(self, p):
+        self.filling.append(p.grad)
+        self.filled += p.grad.numel() * p.grad.element_size()
+        self.ready += 1
+        if self.filled >= self.cap or self.ready == self.expected:
+            self.close_bucket()
+
+    def close_bucket(self):
+        if self.launch_in_hook:
+            self.launch(self.filling)
+        else:
+            self.pending.append(self.filling)
+        self.filling, self.filled = [], 0
+
+    def launch(self, grads):
+        flat = torch.cat([g.flatten() for g in grads])
+        if self.average:
+            flat.div_(dist.get_world_size())
+        self.in_flight.append((dist.all_reduce(flat, async_op=True), flat, grads))
+
+    def finish_gradient_synchronization(self):
+        if not self.names_with_duplicates and self.filling:
+            self.close_bucket()
+        for grads in self.pending:
+            self.launch(grads)
+        for work, flat, grads in self.in_flight:
+            work.wait()
+            for g, averaged in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(averaged.view_as(g))
+        self.in_flight, self.pending, self.ready, self.filling, self.filled = [], [], 0, [], 0
+
+
+class Sums(Wrapper):
+    average = False
+
+
+class NeverOverlaps(Wrapper):
+    launch_in_hook = False
+
+
+class TiedCountedTwice(Wrapper):
+    """Expects one gradient per parameter *name*: waits for the tied parameter's second use, which never comes
+    (autograd calls the hook once, after both uses), so the last bucket is never sent."""
+    names_with_duplicates = True
+
+
+class OneTinyEarlyBucket(Wrapper):
+    """Sends the first gradient (the 4 KB head) at once, everything else after backward."""
+
+    def ready_hook(self, p):
+        if self.ready == 0:
+            self.ready += 1
+            self.launch([p.grad])
+            return
+        self.ready += 1
+        self.pending.append([p.grad])
+
+
+class HooksOnBothNames(Wrapper):
+    """Registers a hook under every name of a parameter: the tied one is added to its bucket twice."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb)
+        names = dict(module.named_parameters())
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if name not in names and p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.ready_hook)
+                self.expected += 1
+
+
+class NoBufferBroadcast(Wrapper):
+    def __init__(self, module, bucket_size_mb):
+        shift = module.shift.clone()
+        super().__init__(module, bucket_size_mb)
+        module.shift.copy_(shift)
+
+
+class ForgetsToWait(Wrapper):
+    """Never waits, never copies the averages back: each rank keeps its own gradient."""
+
+    def finish_gradient_synchronization(self):
+        self.in_flight, self.pending, self.ready, self.filling, self.filled = [], [], 0, [], 0
+
+
+# ------------------------------------------------------------------ the reference passes, stubs are named
+
+def test_reference_passes_every_check(capsys):
+    Reference = _lab_class()
+    lab2.check_construction(Reference)
+    lab2.check_training(Reference)
+    lab2.check_overlap(Reference)
+    out = capsys.readouterr().out
+    assert out.count("✓") == 6, out
+
+
+def test_the_knob_wrapper_is_correct():
+    lab2.check_training(Wrapper, world_sizes=(2,), models=(lab2.TIED,), bucket_sizes_mb=(1 / 128,))
+    lab2.check_overlap(Wrapper, world_sizes=(2,))
+
+
+def test_stubs_say_not_implemented():
+    Student = _lab_class(student=True)
+    for check in (lab2.check_construction, lab2.check_training, lab2.check_overlap):
+        _fails(r"your DDP wrapper is not implemented yet: it raised NotImplementedError", check, Student,
+               world_sizes=(2,))
+
+
+# ------------------------------------------------------------------ wrong wrappers
+
+def test_sum_instead_of_average():
+    _fails(r"rank 0, step 0, wte\.weight: the SUM over the 2 ranks, not the average: divide by the world size "
+           r"\(max \|diff\| .* expected .*, got ", lab2.check_training, Sums, world_sizes=(2,),
+           models=(lab2.PLAIN,), bucket_sizes_mb=(1 / 128,))
+
+
+def test_never_overlapping_wrapper():
+    _fails(r"rank 0, last step: 0 of 141,312 gradient bytes \(0%\) started before backward ended; at least 50% "
+           r"must\. Launch each bucket from the gradient hook.*Your collectives: 37,376 B after gradient 18/18",
+           lab2.check_overlap, NeverOverlaps, world_sizes=(2,))
+    lab2.check_training(NeverOverlaps, world_sizes=(2,), models=(lab2.TIED,))  # right gradients, just late
+
+
+def test_one_tiny_early_bucket_does_not_pass():
+    _fails(r"4,096 of 141,312 gradient bytes \(3%\) started before backward ended.*"
+           r"Your collectives: 4,096 B after gradient 1/18, 256 B after gradient 18/18",
+           lab2.check_overlap, OneTinyEarlyBucket, world_sizes=(2,))
+
+
+def test_tied_parameter_waited_for_twice():
+    _fails(r"rank 0, step 0, wte\.weight \(tied: also head\.weight\): this rank's own gradient, never averaged",
+           lab2.check_training, TiedCountedTwice, world_sizes=(2,), models=(lab2.TIED,),
+           bucket_sizes_mb=(1 / 128,))
+    lab2.check_training(TiedCountedTwice, world_sizes=(2,), models=(lab2.PLAIN,))  # only tying breaks it
+
+
+def test_tied_parameter_sent_twice():
+    _fails(r"rank 0, step 0: sent 12,544 bytes \(nominal\), expected 10,496 = 2\(N-1\)/N × 10,496 bytes of trainable "
+           r"gradients, each once; more: a gradient communicated twice",
+           lab2.check_training, HooksOnBothNames, world_sizes=(2,), models=(lab2.TIED,), bucket_sizes_mb=(4.0,))
+
+
+def test_buffers_not_broadcast():
+    _fails(r"rank 1, buffer shift: not rank 0's value after construction .*broadcast every parameter and buffer",
+           lab2.check_construction, NoBufferBroadcast, world_sizes=(2,))
+
+
+def test_not_waiting_leaves_local_gradients():
+    _fails(r"rank 0, step 0, wte\.weight: this rank's own gradient, never averaged",
+           lab2.check_training, ForgetsToWait, world_sizes=(2,), models=(lab2.PLAIN,), bucket_sizes_mb=(4.0,))
+
+
+def test_judges_are_pure_functions_of_plain_data():
+    case = lab2.make_case(lab2.TIED, 1 / 128, steps=1)
+    reference = lab2.reference_run(case, 2)
+    grads = reference["grads"]
+    fine = dict(state=reference["init"], module_ok=True, outputs=(reference["outputs"][0], reference["outputs"][0]),
+                grads=grads, params=reference["params"], bytes=[7168], events=[[("grad", "head", 0, 0.0)]])
+    second = {**fine, "outputs": (reference["outputs"][1], reference["outputs"][1])}
+    assert lab2.judge_construction(case, 2, [fine, second], reference) == []
+    assert lab2.judge_training(case, 2, [fine, fine], reference) == []
+    summed = {**fine, "grads": [{k: None if v is None else 2 * v for k, v in grads[0].items()}]}
+    assert "SUM" in lab2.judge_training(case, 2, [summed, fine], reference)[0]
+    events = [("grad", "a", 0, 1.0), ("comm", "all_reduce", 300, 1.1), ("grad", "b", 0, 2.0),
+              ("comm", "all_reduce", 100, 2.1)]
+    assert lab2.overlap_share(events) == (300, 400)
