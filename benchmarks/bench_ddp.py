@@ -1,8 +1,10 @@
 """Benchmark: lesson 04's bucketed DDP (version (d)) against torch's DistributedDataParallel.
 
 Runs 4 ranks (gloo on CPU, NCCL with one GPU per rank) on the lesson's model and data. Both wrappers train
-their own copy of the model from the same weights, with the same bucket cap; torch's DDP is warmed up past its
-bucket rebuild (two steps) before anything is timed. No simulated link: this is the real backend.
+their own copy of the model from the same weights, with the same bucket cap; each wrapper runs two untimed
+samples of `--steps` steps first, which takes torch's DDP past its bucket rebuild (after its first step). Torch's
+DDP is built with forward_sync_buffers=False: the lesson's wrapper broadcasts buffers once, when built, while
+DDP by default broadcasts them again in every forward. No simulated link: this is the real backend.
 Each timed sample is `--steps` training steps (forward, backward, gradient averaging, AdamW step), started
 after a barrier; its time is the slowest rank's. The two wrappers run in rounds, one of each per round, in an
 order rotated from round to round (utils.timing.rotated_rounds), after a warm-up round that is not kept.
@@ -76,8 +78,11 @@ class Bucketed:
 class TorchDDP:
     def __init__(self, module, bucket_mb):
         self.module = module
+        # forward_sync_buffers=False: our versions broadcast buffers once, when built (this model's buffers are
+        # constant causal masks); by default DDP broadcasts them again in every forward
         self.ddp = torch.nn.parallel.DistributedDataParallel(
-            module, bucket_cap_mb=bucket_mb, device_ids=[utils.device()] if utils.device().type == "cuda" else None)
+            module, bucket_cap_mb=bucket_mb, forward_sync_buffers=False,
+            device_ids=[utils.device()] if utils.device().type == "cuda" else None)
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
@@ -114,7 +119,7 @@ def bench(rounds, steps, bucket_mb):
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return elapsed.item() / steps
 
-    for name in wrappers:                      # two steps each: torch DDP rebuilds its buckets after the first
+    for name in wrappers:                      # two untimed samples each: torch DDP rebuilds its buckets after step 1
         for _ in range(2):
             run(name)
     samples = {name: [] for name in wrappers}

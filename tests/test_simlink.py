@@ -30,15 +30,15 @@ def test_two_back_to_back_messages_take_two_alphas_and_two_transfers():
 
 
 def test_an_idle_link_starts_a_message_when_it_is_issued():
-    link = SimulatedLink(alpha=0.001, bandwidth=1e9)
+    link = SimulatedLink(alpha=0.05, bandwidth=1e9)           # 50 ms: room for a late worker thread on a busy machine
     link.send(1000)
-    time.sleep(0.05)                                          # link idle for 50 ms
+    time.sleep(0.1)                                           # link idle for 100 ms
     before = time.perf_counter()
     work = link.send(1000, async_op=True)
     work.wait()
     link.close()
     assert work.start >= before                               # no credit for idle time
-    assert work.end - work.start == pytest.approx(0.001 + 1e-6, abs=1e-12)
+    assert work.end - work.start == pytest.approx(0.05 + 1e-6, abs=1e-12)
 
 
 def test_waiting_on_the_link_burns_no_cpu():
@@ -107,3 +107,40 @@ def test_ddp_comm_hook_averages_through_the_link():
     expected = torch.full((4, 8), 2 * (1.0 + 2.0) / 2)       # d/dW sum(Wx) = sum over the 2 rows of x; averaged
     assert torch.equal(g0, expected) and torch.equal(g1, expected)
     assert min(t0, t1) >= 2 * 0.05                            # one bucket, ring of 2: 2 messages of α each at least
+
+
+def _late_real_all_reduce(real_seconds):
+    # the real collective takes `real_seconds` longer than the link's rule: its handle's wait() is slowed down
+    real_all_reduce = dist.all_reduce
+
+    class Late:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            time.sleep(real_seconds)
+            return self.work.wait()
+
+    def slow_data(tensor, *args, **kwargs):
+        work = real_all_reduce(tensor, *args, **kwargs)
+        return Late(work) if tensor.dtype == torch.float32 else work   # the float64 issue clock stays fast
+
+    link = SimulatedLink(alpha=0.001, bandwidth=1e9)
+    dist.all_reduce = slow_data
+    try:
+        first = link.all_reduce(torch.ones(4), async_op=True)
+        first.wait()
+        done = time.perf_counter()
+    finally:
+        dist.all_reduce = real_all_reduce
+    second = link.send(1000, async_op=True)
+    second.wait()
+    link.close()
+    return {"start": first.start, "end": first.end, "done": done, "next_start": second.start}
+
+
+def test_an_operation_whose_real_work_runs_late_ends_when_it_really_finished():
+    for r in utils.launch(_late_real_all_reduce, 0.1, world_size=2):
+        assert r["end"] - r["start"] >= 0.1                   # not the rule's 2 ms: the real all-reduce took 100 ms
+        assert r["end"] <= r["done"]                          # recorded before wait() returned
+        assert r["next_start"] >= r["end"]                    # the link was busy until then: FIFO behind it

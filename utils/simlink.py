@@ -16,7 +16,9 @@ The rules:
 - An all-reduce of M bytes on N ranks is a ring: 2(N−1) messages of M/N bytes each, i.e.
   2(N−1)·α + 2(N−1)/N·M/bandwidth. It starts when the *last* rank has issued it (a collective cannot finish
   before every rank has contributed); the real `dist.all_reduce` runs too, so results are exact.
-- Completion = max(real completion, simulated completion): the link only ever adds time.
+- Completion = max(real completion, simulated completion): the link only ever adds time. When the real
+  operation finishes after its simulated finish, `work.end` (and the link's `busy_until`, so the next message
+  queues behind it) is the real finish: a record says when an operation really ended.
 - Waiting sleeps (a worker thread per link sleeps until each operation's finish time): a waiting rank burns
   no CPU, so 4 ranks on 2 cores can wait on their links without slowing each other's compute.
 
@@ -50,7 +52,7 @@ class SimWork:
 
     def __init__(self, future: torch.futures.Future):
         self._future = future
-        self.start = self.end = None            # simulated start and finish times (perf_counter seconds)
+        self.start = self.end = None            # simulated start, and finish (the real one if that was later)
 
     def wait(self) -> bool:
         self._future.wait()
@@ -134,6 +136,8 @@ class SimulatedLink:
                 delay = work.end - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)                     # waiting burns no CPU
+                else:                                     # the real operation (or this thread) ran late:
+                    work.end = self.busy_until = time.perf_counter()   # record when it really finished
                 future.set_result(result)
             except Exception as exc:                      # hand the failure to whoever waits
                 future.set_exception(exc)
