@@ -81,4 +81,4 @@ def compare(a: Sequence[float], b: Sequence[float], name_a: str, name_b: str, sc
         return f"{name_a} vs {name_b}: no measurable difference here ({detail}; their interquartile ranges overlap)"
     fast, slow = (name_a, name_b) if sa.median < sb.median else (name_b, name_a)
     ratio = max(sa.median, sb.median) / min(sa.median, sb.median)
-    return f"{fast} is {ratio:.2g}× faster than {slow} ({detail}; their interquartile ranges do not overlap)"
+    return f"{fast} is {ratio:.3g}× faster than {slow} ({detail}; their interquartile ranges do not overlap)"
