@@ -54,3 +54,9 @@ def test_jitter_model_fit_recovers_the_injected_distribution():
     assert m.p == pytest.approx(0.05)
     assert m.mean == pytest.approx(0.020, abs=2e-4) and m.std == pytest.approx(0.001, rel=0.1)
     assert m.hiccup == pytest.approx(0.060, abs=1e-3)
+
+
+def test_two_ranks_need_more_than_half_slower():
+    # with two ranks the typical rank is their midpoint: b > 1.2·(a + b)/2 only when b > 1.5·a
+    assert find_stragglers([[1.0] * 5, [1.45] * 5]) == []
+    assert find_stragglers([[1.0] * 5, [1.55] * 5]) == [1]

@@ -25,9 +25,11 @@ def ring_all_reduce_seconds(nbytes: float, n: int, alpha: float, bandwidth: floa
 
 
 def tree_all_reduce_seconds(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """A tree-shaped all-reduce's latency, 2·⌈log₂ n⌉·α, with the ring's bandwidth term (the best any
-    algorithm can do: each rank must send and receive 2(n−1)/n of the data). An idealised lower bound for
-    NCCL's pipelined double binary tree, not a model of it."""
+    """2·⌈log₂ n⌉·α + 2(n−1)/n·nbytes/bandwidth: what recursive halving and doubling achieves when n is a power
+    of two (log₂ n halving steps of a reduce-scatter, then log₂ n doubling steps of an all-gather); other n need
+    a few extra steps, so for them it is optimistic. Both terms are near the limits: any all-reduce needs at
+    least ⌈log₂ n⌉ rounds of messages (latency ≥ ⌈log₂ n⌉·α), and each rank must send and receive 2(n−1)/n of
+    the data. Not a model of NCCL's pipelined double binary tree."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if n == 1:
@@ -38,7 +40,8 @@ def tree_all_reduce_seconds(nbytes: float, n: int, alpha: float, bandwidth: floa
 def hierarchical_all_reduce_seconds(nbytes: float, n: int, per_node: int, alpha_intra: float,
                                     bandwidth_intra: float, alpha_inter: float, bandwidth_inter: float) -> float:
     """Two-level all-reduce: reduce-scatter inside each node (ring of `per_node`), ring all-reduce of each
-    1/per_node shard across the n/per_node nodes, all-gather inside the node."""
+    1/per_node shard across the n/per_node nodes, all-gather inside the node. Assumes each GPU has its own
+    inter-node link at bandwidth_inter, so the per_node shards cross the network in parallel."""
     if n % per_node:
         raise ValueError(f"n = {n} is not a multiple of per_node = {per_node}")
     nodes = n // per_node

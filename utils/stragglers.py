@@ -25,7 +25,9 @@ def find_stragglers(per_rank: list, rel: float = 0.2, k: float = 6.0) -> list:
 
     `per_rank[r]` is rank r's list of timings. The typical rank is the median of the ranks' medians; the noise
     is the median over ranks of each rank's median absolute deviation (robust: one slow rank or a few hiccups
-    do not move it). Both thresholds must be passed, so ordinary jitter never names a rank.
+    do not move it). Both thresholds must be passed, so ordinary jitter essentially never names a rank.
+    The rule needs a healthy majority: with two ranks the typical rank is the midpoint of the two, so a straggler
+    must be more than 50 % slower than the other rank to be named (with rel = 0.2).
     """
     if len(per_rank) < 2:
         return []
