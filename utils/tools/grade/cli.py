@@ -113,7 +113,11 @@ class Job:
             self.outcome.notes.append(f"could not read the notebook: {type(error).__name__}: {error}"[:500])
             return
         self.outcome.notes.extend(self.prepared.notes)
-        self._start_verdicts()
+        try:
+            self._start_verdicts()
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
 
     # -------------------------------------------------------------- the two runs
 

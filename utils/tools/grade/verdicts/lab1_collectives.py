@@ -29,7 +29,8 @@ from utils.tools.grade.verdicts import Case, InProcess, OnRanks, function, retur
 
 WORLD_SIZES = (2, 3, 4, 5, 6)
 DTYPES = ("float32", "float64", "int64")
-NOTE = ("Bytes, messages, peers and 'point-to-point calls only' are measured inside your own rank processes "
+_PEERS = ", peers" if hasattr(lab1, "ring_peers") and hasattr(lab1, "halving_doubling_peers") else ""
+NOTE = (f"Bytes, messages{_PEERS} and 'point-to-point calls only' are measured inside your own rank processes "
         "(which also run your code): they catch mistakes, and are advisory against deliberate tampering.")
 
 
@@ -239,15 +240,16 @@ _SUMMARY = ("exact on every rank for N = 2 … 6, on lengths N divides and lengt
 PARTS = {
     "reduce_scatter": OnRanks(run_collective, WORLD_SIZES, _collective_cases("reduce_scatter", _RING["divisor"]),
                               _judge_collective("reduce_scatter", **_RING), "reduce_scatter",
-                              _SUMMARY + "; (N-1)/N × M bytes each way per rank"),
+                              _SUMMARY + "; (N-1)/N × M bytes each way per rank where N divides the length"),
     "all_gather": OnRanks(run_collective, WORLD_SIZES, _collective_cases("all_gather", _RING["divisor"]),
                           _judge_collective("all_gather", **_RING), "all_gather",
-                          _SUMMARY + "; (N-1)/N × M bytes each way per rank"),
+                          _SUMMARY + "; (N-1)/N × M bytes each way per rank where N divides the length"),
     "halving_doubling": OnRanks(run_collective, WORLD_SIZES,
                                 _collective_cases("halving_doubling", _HALVING_DOUBLING["divisor"]),
                                 _judge_collective("halving_doubling", **_HALVING_DOUBLING),
                                 "all_reduce_halving_doubling",
-                                _SUMMARY + "; halving-doubling's bytes and messages, with the fold rule"),
+                                _SUMMARY + "; halving-doubling's bytes and messages (fold rule) where N and p "
+                                "divide the length"),
     "cost_comparison": InProcess(run_cost_model, _cost_cases, _judge_cost, "the cost model",
                                  "ring_time, halving_doubling_time and crossover_bytes match the α-β model on the "
                                  "notebook's cases and on random ones (N up to 4096)"),
