@@ -280,14 +280,23 @@ def grade(submissions: list, labs: dict, out_dir, limits: Limits = None, jobs=1,
 # ------------------------------------------------------------------ command line
 
 def print_parts(labs: dict) -> None:
+    """Each lab's parts and points, how its verdicts run them, and which of its cells they run."""
     for lab in labs.values():
         module = load_module(lab.verdicts)
-        print(f"{lab.name}: {len(lab.parts)} parts, {num(lab.max_points)} points (verdicts: {lab.verdicts})")
+        try:
+            shown = lab.verdicts.relative_to(Path.cwd())
+        except ValueError:
+            shown = lab.verdicts
+        print(f"{lab.name}: {len(lab.parts)} parts, {num(lab.max_points)} points (verdicts: {shown})")
         for grade_id, points in lab.parts:
             spec = module.PARTS[grade_id]
             where = "in one process" if isinstance(spec, InProcess) else \
                 f"on {', '.join(map(str, spec.world_sizes))} ranks"
             print(f"    {grade_id:<28} {num(points):>4}   {spec.what}, {where}")
+        cells = [label.strip("<>").removeprefix("lab cell ") for label, _ in prepare(lab.nb, lab).cells
+                 if label.startswith("<lab cell")]
+        print(f"  verdicts run the lab's cells {', '.join(cells) or '(none)'} (imports and definitions), then the "
+              "solution cells")
 
 
 def main(argv=None) -> int:
