@@ -377,7 +377,7 @@ def check_training(Optimizer, world_sizes=WORLD_SIZES, models=MODELS, optimizers
         for case, case_inputs, case_results in zip(cases, inputs, results):
             report(_what(case), n, judge_training(case, n, case_results, reference_run(case, case_inputs)))
         names_ = ", ".join(dict.fromkeys(f"'{m['name']}'" for m in models))
-        opts = " and ".join(o[0] for o in optimizers)
+        opts = ", ".join(o[0] for o in optimizers)
         check(True, f"training at N={n}: parameters after each of {steps} {opts} steps = the unsharded "
                     f"optimizer's on every rank (rtol {RTOL:.0e}), models {names_}")
 
