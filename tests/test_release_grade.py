@@ -22,6 +22,7 @@ import copy
 import csv
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -399,7 +400,7 @@ def test_hanging_and_crashing_parts_score_zero_the_others_still_score(fixture_gr
     assert "the verdict process exited" in feedback(fixture_grades, "erin")
     finished = {student for (student, _), r in summary.items() if r["status"] == "finished"}
     assert finished == {"alice", "bob", "carol", "frank", "grace", "heidi", "reference", "blank"}
-    orphans = [int(pid) for pid in fixture_grades["pidfile"].read_text().split()]
+    orphans = [int(line.split()[0]) for line in fixture_grades["pidfile"].read_text().splitlines()]
     assert len(orphans) == 2, "one from the verdict, one from the notebook"
     for orphan in orphans:
         assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE, \
@@ -451,6 +452,39 @@ def test_kernels_talk_over_ipc(fixture_grades):
     logs = "".join(p.read_text() for p in (fixture_grades["out"] / "logs").iterdir())
     assert "[grader: feedback notebook]" in logs
     assert "without encryption" not in logs
+
+
+def test_an_interrupted_grader_leaves_nothing_running(scratch):
+    """Ctrl-C while a submission hangs in its verdict: the grader stops, and every process it started is gone."""
+    pidfile = scratch / "orphan.pid"
+    grader = subprocess.Popen([sys.executable, "-m", "utils.tools.grade", SUBMISSIONS / "dave", "--student", "dave",
+                               "--labs", FIXTURE_LABS, "--verdicts", FIXTURE_VERDICTS, "--out", scratch / "out",
+                               "--verdict-timeout", "60"], cwd=ROOT, env=dict(os.environ, GRADE_TEST_PIDFILE=str(pidfile)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen, deadline = set(), time.monotonic() + 120
+    try:
+        while not pidfile.exists() and time.monotonic() < deadline:  # dave's average is running in a verdict
+            seen.update(p.pid for p in psutil.Process(grader.pid).children(recursive=True))
+            time.sleep(0.2)
+        assert pidfile.exists(), "the verdict never started"
+        seen.update(p.pid for p in psutil.Process(grader.pid).children(recursive=True))
+        grader.send_signal(signal.SIGINT)
+        assert grader.wait(timeout=30) == 130
+    finally:
+        if grader.poll() is None:
+            grader.kill()
+    (orphan, folder), = [line.split() for line in pidfile.read_text().splitlines()]  # pid, the verdict's cwd
+    seen.add(int(orphan))
+    alive = [p for p in map(_process, seen) if p is not None and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], f"left running: {[command_line(p) for p in alive]}"
+    assert not Path(folder).parent.exists(), "the submission's private folder was removed"
+
+
+def _process(pid):
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
 
 
 def test_unreadable_and_unmatched_files_are_reported(fixture_grades):

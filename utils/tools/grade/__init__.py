@@ -8,10 +8,10 @@ For each submission (layouts: utils/tools/grade/submissions.py) the grader
   1. prepares it (preparation.py): every cell that is not a solution cell is taken from the reference lab; the
      submission contributes its solution cells (and cells the student added, which only the feedback run sees);
   2. judges it (checker.py, verdicts/): a process that runs no student code starts fresh processes that run the
-     lab's import and helper cells plus the *source text* of the solution cells (rank.py), hands each one
-     inputs drawn from an unpredictable seed, gets raw tensors and numbers back (wire.py, never a pickle) and
-     compares them with what it computes itself. Points come only from these verdicts: a part scores its
-     points when its verdict passes, else 0;
+     lab's import and helper cells plus the *source text* of the solution cells (rank.py), hands each one its
+     own inputs drawn from the OS's cryptographic source, gets raw tensors and numbers back (wire.py, never a
+     pickle) and compares them with what it computes itself. Points come only from these verdicts: a part
+     scores its points when its verdict passes, else 0;
   3. runs the prepared notebook for feedback (notebook.py): a fresh working folder, its own session, a fresh
      kernel over IPC sockets, every cell even after a failing one, each cell time- and output-limited, so the
      student sees their notebook's own check messages and the instructor gets the executed copy;

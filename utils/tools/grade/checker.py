@@ -3,8 +3,8 @@
     python -m utils.tools.grade.checker < job.json > verdicts.json      (started by the grader per submission)
 
 job.json: {"verdicts": path of the lab's verdict module, "cells": [[label, source], ...] (the lab's definition
-cells and the submission's solution cells, in notebook order), "parts": [grade_id, ...], "task_timeout": s}. verdicts.json: {"parts": {grade_id: {"passed": bool, "message": str}},
-"cell_errors": {label: error}}.
+cells and the submission's solution cells, in notebook order), "parts": [grade_id, ...], "task_timeout": s}.
+verdicts.json: {"parts": {grade_id: {"passed": bool, "message": str}}, "cell_errors": {label: error}}.
 
 This process never executes, imports or unpickles anything a submission wrote. It starts the verdict
 processes (utils/tools/grade/rank.py: one process that forks a pool of ranks, as many as the lab's largest
@@ -29,8 +29,8 @@ import time
 from datetime import timedelta
 
 from . import wire
-from .processes import (become_subreaper, child_environment, exit_on_signals, kill_descendants,
-                        kill_tree, make_undumpable)
+from .processes import (become_subreaper, child_environment, die_with_parent, exit_on_signals,
+                        kill_descendants, kill_tree, make_undumpable)
 from .verdicts import InProcess, OnRanks, Result, load_module
 
 STARTUP_TIMEOUT = 120.0  # seconds for a pool to import torch and run the solution cells
@@ -209,8 +209,9 @@ def _results(reply_cases, count, tensors_payload=None, on_ranks=True) -> list:
             except (wire.WireError, TypeError, KeyError, AttributeError):
                 out.append(Result(error="its reply could not be read"))
                 continue
-            measured = {k: v for k, v in measured.items() if type(v) in (int, float)} if isinstance(measured, dict) else {}
-            out.append(Result(value=value, measured=measured))
+            if not isinstance(measured, dict):
+                measured = {}
+            out.append(Result(value=value, measured={k: v for k, v in measured.items() if type(v) in (int, float)}))
         else:
             out.append(Result(value=case.get("value")))
     return out
@@ -342,6 +343,7 @@ def check(job: dict) -> dict:
 
 
 def main() -> int:
+    die_with_parent()
     make_undumpable()
     become_subreaper()
     exit_on_signals()

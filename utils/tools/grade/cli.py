@@ -14,7 +14,8 @@ from pathlib import Path
 from ..release import LabFormatError, nbgrader_meta, read_notebook, write_notebook
 from . import __doc__ as PACKAGE_DOC  # noqa: N812
 from .preparation import prepare
-from .processes import REPO_ROOT, child_environment, kill_tree, make_undumpable, short_temporary_folder
+from .processes import (REPO_ROOT, child_environment, exit_on_signals, kill_tree, make_undumpable,
+                        short_temporary_folder)
 from .reports import Outcome, num, safe_name, write_reports
 from .submissions import MAX_NOTEBOOK_BYTES, find_submissions, load_labs
 from .verdicts import InProcess, VerdictError, load_module
@@ -85,7 +86,8 @@ class _Log:
 
     def text(self) -> bytes:
         dropped = self.total - len(self.data)
-        return bytes(self.data) + (f"\n[grader: {dropped} more bytes of output dropped]\n".encode() if dropped > 0 else b"")
+        tail = f"\n[grader: {dropped} more bytes of output dropped]\n".encode() if dropped > 0 else b""
+        return bytes(self.data) + tail
 
 
 class Job:
@@ -337,7 +339,12 @@ def main(argv=None) -> int:
     print(f"grading {len(submissions)} submissions against {labs_dir} (limits: {args.timeout:g} s per run, "
           f"{args.cell_timeout:g} s per cell, {args.verdict_timeout:g} s per verdict step)")
     make_undumpable()  # the processes running student code are our descendants: keep them out of our memory
-    outcomes = grade(submissions, labs, args.out, limits, args.jobs)
+    exit_on_signals()  # SIGTERM and SIGHUP clean up like Ctrl-C
+    try:
+        outcomes = grade(submissions, labs, args.out, limits, args.jobs)
+    except KeyboardInterrupt:
+        print("grading interrupted: every process it started is stopped; no reports written", file=sys.stderr)
+        return 130
     write_reports(outcomes, args.out, problems)
     print(f"wrote {Path(args.out) / 'grades.csv'}, summary.csv, feedback/ ({len(outcomes)} submissions)")
     return 0

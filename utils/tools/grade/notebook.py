@@ -24,7 +24,7 @@ import nbformat
 
 from ..kernels import ipc_kernel_manager_class
 from ..release import read_notebook, write_notebook
-from .processes import become_subreaper, exit_on_signals, kill_descendants
+from .processes import become_subreaper, die_with_parent, exit_on_signals, kill_descendants
 
 TIMEOUT_ENAME = "CellTimeout"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -41,6 +41,7 @@ def run_one(notebook, result_path, executed_path, cell_timeout, max_output, sock
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
+    die_with_parent()
     become_subreaper()
     exit_on_signals()
     notebook = Path(notebook)

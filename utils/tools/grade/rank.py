@@ -28,7 +28,7 @@ import traceback
 from datetime import timedelta
 
 from . import wire
-from .processes import make_undumpable
+from .processes import die_with_parent, make_undumpable
 
 MAX_ERROR = 1500  # characters of one error message sent back
 
@@ -141,6 +141,7 @@ def serve(setup, slot, namespace, errors, verdicts) -> None:
 
 
 def main() -> int:
+    die_with_parent()
     make_undumpable()  # inherited by every rank forked below
     setup, _ = wire.read_frame(sys.stdin.buffer)
     from .verdicts import load_module
@@ -158,6 +159,7 @@ def main() -> int:
         if pid == 0:
             code = 0
             try:
+                die_with_parent()
                 serve(setup, slot, namespace, errors, verdicts)
             except BaseException:  # noqa: BLE001 — reported on the output pipe; the checker sees the exit
                 traceback.print_exc()

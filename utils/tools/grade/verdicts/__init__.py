@@ -8,8 +8,9 @@ Points come only from these verdicts. Each lab has a verdict module, `verdicts/<
 
 The checker (utils/tools/grade/checker.py) runs no student code itself. It starts processes that run the
 lab's definition cells (imports, helper functions) and the submission's solution cells, draws each case's
-inputs from an unpredictable seed, hands each process only its own inputs, gets raw tensors and JSON numbers
-back, computes the expected values itself and calls the part's `judge`.
+inputs unpredictably (os.urandom, secrets), hands each process only its own inputs, gets raw tensors and JSON numbers
+back, computes the expected values itself and calls the part's `judge`. Draw inputs with
+`unpredictable_integers` (os.urandom); lengths and other shapes may come from the `rng` each `cases` gets.
 
 - `OnRanks`: a distributed part. For each world size, fresh gloo process groups on that many rank processes;
   `program(namespace, params, inputs)` runs on every rank (trusted code from this module, running in a process
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import numbers
-import random
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -112,11 +113,17 @@ def returned_type(value) -> str | None:
     return None
 
 
-def generator(rng: random.Random):
-    """A torch.Generator seeded from the checker's unpredictable random source."""
+def unpredictable_integers(count: int, low: int, high: int):
+    """A 1-D int64 tensor of `count` integers in [low, high] drawn from the operating system's cryptographic
+    source (`os.urandom`), so no process can predict them, nor derive one rank's inputs from another's (a
+    seeded generator's outputs would reveal its state). For inputs; lengths and other shapes may come from
+    the `rng` the checker passes (a random.Random seeded from `secrets`), since feedback names them anyway."""
     import torch
 
-    return torch.Generator().manual_seed(rng.getrandbits(63))
+    if count == 0:
+        return torch.empty(0, dtype=torch.int64)
+    raw = torch.frombuffer(bytearray(os.urandom(4 * count)), dtype=torch.int32).to(torch.int64)
+    return raw.remainder(high - low + 1) + low
 
 
 # ------------------------------------------------------------------ finding a lab's verdicts

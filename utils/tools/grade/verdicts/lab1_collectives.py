@@ -7,8 +7,9 @@
 
 Each world size gets fresh cases: lengths N divides and lengths it does not (one element per chunk, 2N+1, a
 random uneven length, a random multiple of the byte rule's divisor, a random long one), each in float32,
-float64 and int64, with values drawn from an unpredictable seed (multiples of 1/8 for floats, so every sum is
-exact in any order). The checker computes the sums and compares every element of every rank's result.
+float64 and int64. Values are small integers (multiples of 1/8 for floats, so every sum is exact in any order)
+from os.urandom, so one rank's inputs say nothing about another's; lengths come from the checker's random
+source, seeded from `secrets`. The checker computes the sums and compares every element of every rank's result.
 
 The traffic rules are the lab's own (utils.labchecks.lab1): scatter_gather_bytes and halving_doubling_bytes
 (and the peer rules, where lab1 defines them), compared where the chunking is even. Bytes, messages, peers
@@ -24,7 +25,7 @@ import torch
 from utils import bytecount
 from utils.labchecks import lab1
 
-from utils.tools.grade.verdicts import Case, InProcess, OnRanks, function, generator, returned_type, scalar
+from utils.tools.grade.verdicts import Case, InProcess, OnRanks, function, returned_type, scalar, unpredictable_integers
 
 WORLD_SIZES = (2, 3, 4, 5, 6)
 DTYPES = ("float32", "float64", "int64")
@@ -55,9 +56,10 @@ def run_cost_model(namespace, params):
 
 # ------------------------------------------------------------------ in the checker: cases
 
-def _values(length, dtype, g):
-    values = torch.randint(-64, 65, (length,), generator=g)
-    return values.to(torch.int64) if dtype == "int64" else (values.to(getattr(torch, dtype)) / 8)
+def _values(length, dtype):
+    """Unpredictable small integers, as int64, or as multiples of 1/8 (sums of a few are exact in any order)."""
+    values = unpredictable_integers(length, -64, 64)
+    return values if dtype == "int64" else values.to(getattr(torch, dtype)) / 8
 
 
 def _lengths(n, divisor, rng):
@@ -73,15 +75,14 @@ FUNCTIONS = {"reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
 def _collective_cases(kind, divisor):
     """cases(n, rng) for one collective: every rank's input drawn here, the expected result kept here."""
     def cases(n, rng):
-        g = generator(rng)
         out = []
         for length in _lengths(n, divisor(n), rng):
             for dtype in DTYPES:
                 if kind == "all_gather":  # rank r holds chunk r of a tensor; everyone must end with all of it
-                    total = _values(length, dtype, g)
+                    total = _values(length, dtype)
                     inputs = [[total[a:b].clone()] for a, b in lab1.chunk_bounds(length, n)]
                 else:
-                    inputs = [[_values(length, dtype, g)] for _ in range(n)]
+                    inputs = [[_values(length, dtype)] for _ in range(n)]
                     total = torch.stack([i[0] for i in inputs]).sum(0).to(getattr(torch, dtype))
                 params = {"function": FUNCTIONS[kind], "pass_length": kind == "all_gather", "length": length}
                 out.append(Case(f"length {length}, {dtype}", params, inputs,
