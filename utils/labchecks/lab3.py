@@ -87,6 +87,11 @@ def optimizer_class(case):
     return getattr(torch.optim, case["optimizer"])
 
 
+def options(values):
+    """Optimizer options as torch wants them (a case that travelled as JSON has lists for tuples)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
+
 def describe_optimizer(case):
     options = ", ".join(f"{k}={v}" for k, v in case["options"].items())
     return f"{case['optimizer']}({options})"
@@ -114,20 +119,21 @@ def label(spec, name):
     return name
 
 
-def make_inputs(case, generator=None):
+def make_inputs(case, draw=None):
     """The case's tensors: init {name: tensor}, grads [{name: tensor} per step], perturbation {name: tensor}.
 
-    Drawn from `generator` (default: one seeded by the case). Gradients are O(1): every trainable parameter
-    moves in every step, and no element's update hangs on round-off.
+    `draw(shape)` gives float32 values spread over [-1, 1] (default: uniform, from a generator seeded by the
+    case; a grader passes its own unpredictable source). Gradients are O(1): every trainable parameter moves in
+    every step, and no element's update hangs on round-off.
     """
-    g = generator or torch.Generator().manual_seed(7919 * case["seed"] + 1)
-    model = build_model(case["model"])
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    init = {name: 0.5 * torch.randn(shape, generator=g) for name, shape in shapes.items()}
+    if draw is None:
+        g = torch.Generator().manual_seed(7919 * case["seed"] + 1)
+        draw = lambda shape: torch.rand(shape, generator=g) * 2 - 1  # noqa: E731
+    shapes = {name: p.shape for name, p in build_model(case["model"]).named_parameters()}
+    init = {name: 0.5 * draw(shape) for name, shape in shapes.items()}
     trained = gradient_names(case["model"])
-    grads = [{name: torch.randn(shapes[name], generator=g) for name in trained} for _ in range(case["steps"])]
-    perturbation = ({name: 0.1 * torch.randn(shapes[name], generator=g) for name in trained}
-                    if case.get("perturb") else {})
+    grads = [{name: draw(shapes[name]) for name in trained} for _ in range(case["steps"])]
+    perturbation = {name: 0.1 * draw(shapes[name]) for name in trained} if case.get("perturb") else {}
     return dict(init=init, grads=grads, perturbation=perturbation)
 
 
@@ -166,7 +172,7 @@ def state_bytes(optimizer):
     return unique_storage_bytes(tensors)
 
 
-def run_case(Optimizer, case, inputs):
+def run_case(Optimizer, case, inputs, device=None):
     """Train with the student's optimizer on this rank; return plain data (CPU tensors, numbers).
 
     Every rank starts from inputs["init"] and gets the same gradients each step (grad None for frozen and
@@ -177,7 +183,7 @@ def run_case(Optimizer, case, inputs):
       group_sizes   [len(group["params"]) for each of optimizer.param_groups] after the last step
     """
     rank = dist.get_rank()
-    device = launching.device()
+    device = device or launching.device()
     spec = case["model"]
     model = build_model(spec).to(device)
     named = dict(model.named_parameters())
@@ -186,11 +192,11 @@ def run_case(Optimizer, case, inputs):
             p.copy_(inputs["init"][name])
     group = case.get("add_group") or {}
     first = [p for name, p in named.items() if name not in group.get("names", ())]
-    optimizer = Optimizer(first, optimizer_class(case), **case["options"])
+    optimizer = Optimizer(first, optimizer_class(case), **options(case["options"]))
     params = []
     for step in range(case["steps"]):
         if group and step == group["step"]:
-            optimizer.add_param_group({"params": [named[n] for n in group["names"]], **group["options"]})
+            optimizer.add_param_group({"params": [named[n] for n in group["names"]], **options(group["options"])})
         for name, p in named.items():
             grad = inputs["grads"][step].get(name)
             p.grad = None if grad is None else grad.to(device).clone()
@@ -216,8 +222,8 @@ def run_cases(Optimizer, cases, inputs):
 def reference_run(case, inputs):
     """The unsharded optimizer in one process on the same inputs (no perturbation).
 
-    Returns dict(init={name: tensor} before step 0, params=[{name: tensor} per step], state_bytes=total bytes of optimizer state after the last
-    step, largest=bytes of the largest one parameter's state, group_sizes).
+    Returns dict(init={name: tensor} before step 0, params=[{name: tensor} per step], state_bytes=total bytes
+    of optimizer state after the last step, largest=`largest_state`, group_sizes).
     """
     model = build_model(case["model"])
     named = dict(model.named_parameters())
@@ -226,19 +232,33 @@ def reference_run(case, inputs):
             p.copy_(inputs["init"][name])
     group = case.get("add_group") or {}
     optimizer = optimizer_class(case)([p for n, p in named.items() if n not in group.get("names", ())],
-                                      **case["options"])
+                                      **options(case["options"]))
     params = []
     for step in range(case["steps"]):
         if group and step == group["step"]:
-            optimizer.add_param_group({"params": [named[n] for n in group["names"]], **group["options"]})
+            optimizer.add_param_group({"params": [named[n] for n in group["names"]], **options(group["options"])})
         for name, p in named.items():
             p.grad = inputs["grads"][step].get(name)
             p.grad = None if p.grad is None else p.grad.clone()
         optimizer.step()
         params.append({name: p.detach().clone() for name, p in named.items()})
-    per_param = [unique_storage_bytes(v for v in s.values() if torch.is_tensor(v)) for s in optimizer.state.values()]
-    return dict(init=dict(inputs["init"]), params=params, state_bytes=sum(per_param), largest=max(per_param, default=0),
-                group_sizes=[len(g["params"]) for g in optimizer.param_groups])
+    return dict(init=dict(inputs["init"]), params=params, state_bytes=sum(_per_parameter_state(optimizer)),
+                largest=largest_state(case), group_sizes=[len(g["params"]) for g in optimizer.param_groups])
+
+
+def _per_parameter_state(optimizer):
+    return [unique_storage_bytes(v for v in s.values() if torch.is_tensor(v)) for s in optimizer.state.values()]
+
+
+def largest_state(case):
+    """Bytes of optimizer state the largest parameter would have (had every parameter a gradient): the most that
+    sharing out whole parameters can leave on one rank beyond its 1/N, whichever parameters get gradients."""
+    model = build_model(case["model"])
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer = optimizer_class(case)(model.parameters(), **options(case["options"]))
+    optimizer.step()
+    return max(_per_parameter_state(optimizer), default=0)
 
 
 # ------------------------------------------------------------------ 3. the judges (pure functions)
