@@ -72,6 +72,18 @@ class FullState(torch.optim.Optimizer):
         self.inner.step()
 
 
+class InnerInAList(FullState):
+    """The inner optimizer kept inside a list of tuples: the state check must still find it."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        super().__init__(params, optimizer_cls, **kwargs)
+        self.kept, self.inner = [("inner", self.inner)], None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.kept[0][1].step()
+
+
 class Sharded(torch.optim.Optimizer):
     """Whole parameters round-robin; `sync` says how the updates reach the other ranks."""
     sync = "broadcast"
@@ -149,6 +161,11 @@ def test_full_state_passes_training_but_not_the_state_check():
            lab3.check_sharded_state, FullState, world_sizes=(2,), models=(lab3.PLAIN,), optimizers=(lab3.ADAMW,))
 
 
+def test_state_found_inside_containers():
+    _fails(r"rank 0: holds 33,432 bytes of optimizer state.* — all of it", lab3.check_sharded_state, InnerInAList,
+           world_sizes=(2,), models=(lab3.PLAIN,), optimizers=(lab3.ADAMW,))
+
+
 def test_full_state_without_communication_misses_the_perturbation():
     _fails(r"rank 3 \(the perturbed rank\), step 2, wte\.weight: differs from rank 0's after the step .*"
            r"Rank 3's parameters were perturbed before step 2",
@@ -180,5 +197,5 @@ def test_judges_are_pure_functions_of_plain_data():
     total, largest = reference["state_bytes"], reference["largest"]
     assert lab3.judge_state(case, 2, [total // 2, total - total // 2], reference) == []
     assert "all of it" in lab3.judge_state(case, 2, [total, total], reference)[0]
-    assert "less than the unsharded" in lab3.judge_state(case, 2, [0, 0], reference)[0]
+    assert "far less than the unsharded" in lab3.judge_state(case, 2, [0, 0], reference)[0]
     assert lab3.state_bound(reference, 2) == total / 2 + largest

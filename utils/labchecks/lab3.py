@@ -35,6 +35,8 @@ from .harness import TIMEOUT, fmt, report, run_on_ranks
 WORLD_SIZES = (2, 4)
 STEPS = 10
 RTOL, ATOL = 1e-5, 1e-7   # the same elementwise update in another layout agrees to round-off
+SEEN_SHARE = 0.9          # the ranks' state together: at least this share of the unsharded (fewer step counters
+                          # in a flat layout hold a little less; state kept out of sight, nothing)
 
 
 # ------------------------------------------------------------------ the models and optimizers (plain data)
@@ -157,16 +159,23 @@ def unpack_inputs(case, tensors):
 
 # ------------------------------------------------------------------ 1. what runs on every rank
 
+def _optimizers_in(value, found, depth=3):
+    """Every torch.optim.Optimizer in `value` (itself, or inside lists, tuples, sets and dicts, `depth` deep)."""
+    if isinstance(value, torch.optim.Optimizer):
+        if all(value is not o for o in found):
+            found.append(value)
+    elif depth and isinstance(value, (list, tuple, set, frozenset, dict)):
+        for item in (value.values() if isinstance(value, dict) else value):
+            _optimizers_in(item, found, depth - 1)
+    return found
+
+
 def state_bytes(optimizer):
     """Bytes of the tensors in `optimizer.state` and in the state of every optimizer it holds as an attribute
-    (directly, or in a list, tuple or dict): what this rank keeps as optimizer state."""
-    optimizers, seen = [optimizer], {id(optimizer)}
+    (directly, or inside lists, tuples and dicts): what this rank keeps as optimizer state."""
+    optimizers = [optimizer]
     for value in vars(optimizer).values():
-        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-        for item in items:
-            if isinstance(item, torch.optim.Optimizer) and id(item) not in seen:
-                seen.add(id(item))
-                optimizers.append(item)
+        _optimizers_in(value, optimizers)
     tensors = [v for o in optimizers for state in getattr(o, "state", {}).values() if isinstance(state, dict)
                for v in state.values() if torch.is_tensor(v)]
     return unique_storage_bytes(tensors)
@@ -331,11 +340,11 @@ def judge_state(case, world_size, state_bytes, reference):
             problems.append(f"rank {rank}: holds {held:,} bytes of optimizer state, at most {bound:,.0f} allowed "
                             f"(1/{world_size} of the unsharded {total:,} + {reference['largest']:,} for the "
                             f"largest parameter){whole}. Build the inner optimizer on this rank's shard only.")
-    if not problems and sum(state_bytes) < total:
-        problems.append(f"the ranks hold {sum(state_bytes):,} bytes of optimizer state together, less than the "
-                        f"unsharded {total:,}: the checks see the state in optimizer.state and in the state of "
-                        "any torch.optim.Optimizer your optimizer keeps as an attribute (or in a list or dict "
-                        "attribute): keep the shard's optimizer there")
+    if not problems and sum(state_bytes) < SEEN_SHARE * total:
+        problems.append(f"the ranks hold {sum(state_bytes):,} bytes of optimizer state together, far less than "
+                        f"the unsharded {total:,}: the checks see the state in optimizer.state and in the state "
+                        "of any torch.optim.Optimizer your optimizer keeps as an attribute (or inside a list, "
+                        "tuple or dict attribute): keep the shard's optimizer there")
     return problems
 
 
