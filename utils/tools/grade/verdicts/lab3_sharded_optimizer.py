@@ -77,7 +77,7 @@ def _case(n, rng, label, steps, perturb=False, add_group=False, optimizer=None):
     name, options = optimizer or rng.choice(OPTIMIZERS)
     group = None
     if add_group:
-        trained = [x for x in lab3.gradient_names(spec)]
+        trained = lab3.gradient_names(spec)
         group = dict(names=rng.sample(trained, rng.randint(1, 2)), step=rng.randint(1, steps - 2),
                      options=dict(lr=options["lr"] * rng.choice([0.5, 2.0, 3.0])))
     case = lab3.make_case(spec, (name, options), steps=steps, seed=0,
