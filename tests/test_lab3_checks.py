@@ -177,6 +177,24 @@ def test_skipping_the_synchronisation_leaves_parameters_not_updated():
            lab3.check_training, NoSync, world_sizes=(2,), models=(lab3.PLAIN,), optimizers=(lab3.SGD,))
 
 
+class ZeroForMissingGradients(Sharded):
+    """Treats a missing gradient as zero: AdamW's weight decay and momentum still move the parameter."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        super().step()
+
+
+def test_parameters_without_gradients_must_not_change():
+    _fails(r"step 0, layers\.2\.weight \(no gradient\): changed in step 0, which leaves it unchanged",
+           lab3.check_training, ZeroForMissingGradients, world_sizes=(2,), models=(lab3.FROZEN,),
+           optimizers=(lab3.ADAMW,))
+
+
 def test_averaging_parameters_instead_of_sending_the_owners():
     _fails(r"rank 0, step 0, wte\.weight: max \|diff\| .* expected .*, got ",
            lab3.check_training, AveragesParameters, world_sizes=(2,), models=(lab3.PLAIN,),

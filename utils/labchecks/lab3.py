@@ -293,6 +293,9 @@ def _diagnose(got, want, before, step):
         return (f"not updated in this step (it still holds its value from before step {step}): the rank that "
                 f"owns it updated it, but the new value never reached this rank — synchronise after the "
                 f"shard's update ({first_difference(got, want)})")
+    if torch.equal(before, want):
+        return (f"changed in step {step}, which leaves it unchanged (it has no gradient, or is in no parameter "
+                f"group yet): skip parameters whose .grad is None ({first_difference(got, want)})")
     return first_difference(got, want)
 
 
