@@ -1,0 +1,169 @@
+"""Lab 3's verdicts (labs/lab3_sharded_optimizer.ipynb): the four graded parts, judged where no student code runs.
+
+    training         parameters after every step = the unsharded optimizer's, N = 2, 3, 4
+    sharded_state    each rank's optimizer state ≤ 1/N of the unsharded + the largest parameter's (and right values)
+    synchronisation  the last rank's parameters perturbed before a step: every rank identical, byte for byte, after it
+    param_groups     add_param_group mid-training with options of its own: parameters = the unsharded optimizer's
+
+Each world size gets fresh cases: a model drawn from the checker's rng (widths, vocabulary, tied or not, which
+parameters are frozen or get no gradient) and an optimizer class with options drawn from a list broader than the
+notebook's; every initial value, gradient and perturbation is drawn from os.urandom and sent to the ranks. A
+rank runs the student's ShardedOptimizer through lab 3's own `run_case` and sends back its parameters after
+every step as raw tensors, and its optimizer-state bytes as a number. The checker runs the unsharded optimizer
+itself (`lab3.reference_run`) and judges with lab 3's judges.
+
+The state bytes are measured inside the rank processes, which also run the student's code: they are advisory
+against deliberate tampering (NOTE says so in every feedback). Parameters are values: judged in the checker.
+"""
+from __future__ import annotations
+
+import torch
+
+from utils.labchecks import lab3
+
+from utils.tools.grade.verdicts import Case, OnRanks, function, unpredictable_integers
+
+WORLD_SIZES = (2, 3, 4)
+NOTE = ("Optimizer-state bytes are measured inside your own rank processes (which also run your code): they "
+        "catch mistakes, and are advisory against deliberate tampering.")
+OPTIMIZERS = [("AdamW", dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
+              ("SGD", dict(lr=5e-2, momentum=0.9)),
+              ("Adam", dict(lr=3e-3, betas=(0.8, 0.99))),
+              ("SGD", dict(lr=2e-2, momentum=0.5, nesterov=True)),
+              ("RMSprop", dict(lr=1e-3, alpha=0.9)),
+              ("Adagrad", dict(lr=1e-2))]
+SCALE = 2**20
+
+
+# ------------------------------------------------------------------ on every rank (trusted code, untrusted process)
+
+def run_optimizer(namespace, params, inputs):
+    """The student's ShardedOptimizer on this rank (lab 3's run_case, on the CPU); parameters after each step."""
+    Optimizer = function(namespace, "ShardedOptimizer")
+    case = params
+    result = lab3.run_case(Optimizer, case, lab3.unpack_inputs(case, inputs), device=torch.device("cpu"))
+    names = lab3.names(case["model"])   # one float32 row per step: every parameter flattened, in name order
+    outputs = [torch.stack([torch.cat([step[name].reshape(-1).float() for name in names])
+                            for step in result["params"]])]
+    measured = {"state_bytes": int(result["state_bytes"]), "is_optimizer": int(bool(result["is_optimizer"])),
+                "groups": len(result["group_sizes"])}
+    measured.update({f"group {i}": int(size) for i, size in enumerate(result["group_sizes"])})
+    return outputs, measured
+
+
+# ------------------------------------------------------------------ in the checker: cases
+
+def _draw(shape):
+    """Values spread over [-1, 1] from os.urandom, as float32."""
+    count = int(torch.Size(shape).numel())
+    return (unpredictable_integers(count, -SCALE, SCALE).to(torch.float32) / SCALE).reshape(shape)
+
+
+def _model(rng, name):
+    """A random model: 2 to 4 layers of random widths, maybe tied, maybe frozen and unused parameters."""
+    widths = [rng.choice([8, 16, 24, 32, 40, 48, 64]) for _ in range(rng.randint(3, 5))]
+    spec = dict(name=name, vocab=rng.randint(8, 24), widths=widths, tied=rng.random() < 0.5)
+    candidates = [n for n in lab3.names(spec) if n != "wte.weight"]
+    picked = rng.sample(candidates, 2)
+    if rng.random() < 0.7:
+        spec["frozen"] = [picked[0]]
+    if rng.random() < 0.7:
+        spec["unused"] = [picked[1]]
+    return spec
+
+
+def _case(n, rng, label, steps, perturb=False, add_group=False, optimizer=None):
+    spec = _model(rng, label)
+    name, options = optimizer or rng.choice(OPTIMIZERS)
+    group = None
+    if add_group:
+        trained = lab3.gradient_names(spec)
+        group = dict(names=rng.sample(trained, rng.randint(1, 2)), step=rng.randint(1, steps - 2),
+                     options=dict(lr=options["lr"] * rng.choice([0.5, 2.0, 3.0])))
+    case = lab3.make_case(spec, (name, options), steps=steps, seed=0,
+                          perturb=dict(step=rng.randint(1, steps - 2), rank=rng.randrange(1, n)) if perturb else None,
+                          add_group=group)
+    case = {**case, "options": {k: list(v) if isinstance(v, tuple) else v for k, v in case["options"].items()}}
+    inputs = lab3.make_inputs(case, _draw)
+    packed = lab3.pack_inputs(case, inputs)
+    label = f"model of widths {spec['widths']}" + (", tied" if spec["tied"] else "") + \
+        f", {lab3.describe_optimizer(case)}"
+    if add_group:
+        label += f", {group['names']} added before step {group['step']}"
+    return Case(label, case, [[t.clone() for t in packed] for _ in range(n)],
+                {"inputs": inputs, "reference": lab3.reference_run(case, inputs)})
+
+
+def _training_cases(n, rng):
+    return [_case(n, rng, f"random {i}", steps=10, optimizer=optimizer)
+            for i, optimizer in enumerate([OPTIMIZERS[0], OPTIMIZERS[1], rng.choice(OPTIMIZERS[2:])])]
+
+
+def _state_cases(n, rng):
+    return [_case(n, rng, f"random {i}", steps=2, optimizer=optimizer)
+            for i, optimizer in enumerate([OPTIMIZERS[0], rng.choice(OPTIMIZERS[1:])])]
+
+
+def _synchronisation_cases(n, rng):
+    return [_case(n, rng, "random", steps=5, perturb=True)]
+
+
+def _group_cases(n, rng):
+    return [_case(n, rng, "random", steps=6, add_group=True)]
+
+
+# ------------------------------------------------------------------ in the checker: judging
+
+def _rank_results(case, results):
+    """lab3.run_case's dicts, rebuilt from what came back (anything but a [steps, elements] tensor: no parameters)."""
+    model = lab3.build_model(case.params["model"])
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    sizes = [s.numel() for s in shapes.values()]
+    steps = case.params["steps"]
+    out = []
+    for r in results:
+        rows = r.value[0] if r.value else None
+        params = [{} for _ in range(steps)]
+        if isinstance(rows, torch.Tensor) and rows.dtype == torch.float32 and tuple(rows.shape) == (steps, sum(sizes)):
+            params = [{name: chunk.reshape(shape) for (name, shape), chunk in zip(shapes.items(), row.split(sizes))}
+                      for row in rows]
+        groups = [int(r.measured.get(f"group {i}", -1)) for i in range(int(r.measured.get("groups", 0)))]
+        out.append(dict(is_optimizer=bool(r.measured.get("is_optimizer", 1)), params=params,
+                        state_bytes=r.measured.get("state_bytes", 0), group_sizes=groups))
+    return out
+
+
+def _judge(kind):
+    def judge(n, case, results):
+        ranks = _rank_results(case, results)
+        reference = case.expected["reference"]
+        params = case.params
+        if kind == "synchronisation":
+            return lab3.judge_synchronisation(params, n, ranks, reference)
+        problems = lab3.judge_training(params, n, ranks, reference)
+        if problems:
+            return problems
+        if kind == "sharded_state":
+            return lab3.judge_state(params, n, [r["state_bytes"] for r in ranks], reference)
+        if kind == "param_groups":
+            return lab3.judge_groups(params, n, ranks, reference)
+        return []
+    return judge
+
+
+_WHAT = "ShardedOptimizer"
+PARTS = {
+    "training": OnRanks(run_optimizer, WORLD_SIZES, _training_cases, _judge("training"), _WHAT,
+                        "parameters after each of 10 steps = the unsharded optimizer's on every rank, N = 2, 3, 4, "
+                        "random models (tied, frozen, unused parameters), AdamW, SGD and another optimizer, fresh "
+                        "random values"),
+    "sharded_state": OnRanks(run_optimizer, WORLD_SIZES, _state_cases, _judge("sharded_state"), _WHAT,
+                             "each rank holds at most 1/N of the unsharded optimizer state plus the largest "
+                             "parameter's, N = 2, 3, 4, random models"),
+    "synchronisation": OnRanks(run_optimizer, WORLD_SIZES, _synchronisation_cases, _judge("synchronisation"), _WHAT,
+                               "a rank perturbed before a step holds every other rank's parameters, byte for byte, "
+                               "after it, N = 2, 3, 4"),
+    "param_groups": OnRanks(run_optimizer, WORLD_SIZES, _group_cases, _judge("param_groups"), _WHAT,
+                            "add_param_group mid-training with its own learning rate: parameters = the unsharded "
+                            "optimizer's, param_groups lists every group, N = 2, 3, 4"),
+}
