@@ -6,10 +6,8 @@ one typical mistake and otherwise as the lab asks: buffers on the input's device
 receive posted together, so that each fails the same way on gloo and on NCCL (one GPU per rank).
 """
 import math
-import re
 import sys
 import time
-from pathlib import Path
 
 import cloudpickle
 import nbformat
@@ -19,13 +17,12 @@ import torch.distributed as dist
 
 import utils
 from utils.labchecks import harness, lab1
-from utils.labchecks.harness import LabCheckFailure
+from labtesting import LABS, fails as _fails, stubbed
 
 # Ship this module's functions by value, exactly as functions defined in a notebook cell travel.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-LAB = Path(__file__).resolve().parents[1] / "labs" / "lab1_collectives.ipynb"
-_SOLUTION_REGION = re.compile(r"^([ \t]*)# BEGIN SOLUTION\n.*?^[ \t]*# END SOLUTION[ \t]*$", re.S | re.M)
+LAB = LABS / "lab1_collectives.ipynb"
 
 
 def _solution_namespace(student=False):
@@ -41,7 +38,7 @@ def _solution_namespace(student=False):
     for cell in cells:
         source = cell.source
         if student:
-            source = _SOLUTION_REGION.sub(lambda m: f"{m.group(1)}raise NotImplementedError()", source)
+            source = stubbed(source)
             assert "BEGIN SOLUTION" not in source
         exec(compile(source, f"<{cell.metadata['nbgrader']['grade_id']}>", "exec"), namespace)
     return namespace
@@ -61,15 +58,6 @@ def exchange(outgoing, dst, incoming, src):
 
 
 ON_NCCL = utils.backend_for(3) == "nccl"  # 3 ranks, the size of the deadlock tests below, run on NCCL here
-
-
-def _fails(match, check, *args, **kwargs):
-    """Run a check that must fail; return its message (and assert it matches `match`)."""
-    with pytest.raises(LabCheckFailure) as info:
-        check(*args, **kwargs)
-    message = str(info.value)
-    assert re.search(match, message, re.S), message
-    return message
 
 
 # ------------------------------------------------------------------ the reference passes everything

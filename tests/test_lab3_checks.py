@@ -3,50 +3,21 @@
 The reference is read from labs/lab3_sharded_optimizer.ipynb (its import cell and its solution cell), so the
 lab and these tests cannot drift apart. Each wrong optimizer below has one typical mistake.
 """
-import re
 import sys
-from pathlib import Path
 
 import cloudpickle
-import nbformat
-import pytest
 import torch
 import torch.distributed as dist
 
 from utils.labchecks import lab3
-from utils.labchecks.harness import LabCheckFailure
+from labtesting import fails as _fails, lab_class
 
 # Ship this module's classes by value, exactly as classes defined in a notebook cell travel.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-LAB = Path(__file__).resolve().parents[1] / "labs" / "lab3_sharded_optimizer.ipynb"
-_SOLUTION_REGION = re.compile(r"^([ \t]*)# BEGIN SOLUTION\n.*?^[ \t]*# END SOLUTION[ \t]*$", re.S | re.M)
-
 
 def _lab_class(student=False):
-    """ShardedOptimizer from the lab's import cell + solution cell; student=True stubs every solution region.
-
-    The import cell and the solution cell alone define the class: what a student pastes into a .py file.
-    """
-    nb = nbformat.read(str(LAB), as_version=4)
-    imports = [c for c in nb.cells if c.cell_type == "code" and "from utils.labchecks import lab3" in c.source]
-    solutions = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution")]
-    assert len(imports) == 1 and len(solutions) == 1, "lab 3 has one import cell and one solution cell"
-    source = solutions[0].source
-    if student:
-        source = _SOLUTION_REGION.sub(lambda m: f"{m.group(1)}raise NotImplementedError()", source)
-    namespace = {"__name__": "lab3_student" if student else "lab3_reference"}
-    exec(compile(imports[0].source + "\n" + source, "<lab3>", "exec"), namespace)
-    return namespace["ShardedOptimizer"]
-
-
-def _fails(match, check, *args, **kwargs):
-    """Run a check that must fail; return its message (and assert it matches `match`)."""
-    with pytest.raises(LabCheckFailure) as info:
-        check(*args, **kwargs)
-    message = str(info.value)
-    assert re.search(match, message, re.S), message
-    return message
+    return lab_class("lab3_sharded_optimizer", "ShardedOptimizer", student)
 
 
 # ------------------------------------------------------------------ wrong optimizers

@@ -1,0 +1,41 @@
+"""Shared by the lab-check tests (tests/ is on sys.path under pytest's default import mode)."""
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from utils.labchecks.harness import LabCheckFailure
+from utils.tools import release
+
+LABS = Path(__file__).resolve().parents[1] / "labs"
+
+
+def fails(match, check, *args, **kwargs):
+    """Run a check that must fail; return its message (and assert it matches the regex `match`)."""
+    with pytest.raises(LabCheckFailure) as info:
+        check(*args, **kwargs)
+    message = str(info.value)
+    assert re.search(match, message, re.S), message
+    return message
+
+
+def stubbed(source: str) -> str:
+    """A solution cell as the released copy has it: every solution region replaced by a NotImplementedError."""
+    return release.replace_regions(source, release.SOLUTION, "raise NotImplementedError()")
+
+
+def lab_class(lab: str, class_name: str, student: bool = False):
+    """`class_name` from a lab's import cell + its one solution cell (what a student pastes into a .py file).
+
+    student=True stubs every solution region, as the released copy does.
+    """
+    nb = nbformat.read(str(LABS / f"{lab}.ipynb"), as_version=4)
+    module = lab.split("_")[0]
+    imports = [c for c in nb.cells if c.cell_type == "code" and f"from utils.labchecks import {module}" in c.source]
+    solutions = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution")]
+    assert len(imports) == 1 and len(solutions) == 1, f"{lab} has one import cell and one solution cell"
+    source = stubbed(solutions[0].source) if student else solutions[0].source
+    namespace = {"__name__": f"{module}_student" if student else f"{module}_reference"}
+    exec(compile(imports[0].source + "\n" + source, f"<{module}>", "exec"), namespace)
+    return namespace[class_name]
