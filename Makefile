@@ -29,10 +29,13 @@ test: install
 lab: install
 	$(PY) -m jupyter lab
 
+# make release STUDENT_REPO=https://github.com/you/course-student   (where students find the copies; INSTRUCTORS.md)
 release: install
-	$(PY) -m utils.tools.release labs --out release
+	$(PY) -m utils.tools.release labs --out release $(if $(STUDENT_REPO),--student-repo $(STUDENT_REPO))
 
+# make grade SUBMISSIONS=submitted   (a folder of <student>/<lab>.ipynb or <student>__<lab>.ipynb)
 grade: install
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=<folder of submitted notebooks>" >&2; exit 2; }
 	$(PY) -m utils.tools.grade $(SUBMISSIONS) --out build/grades
 
 benchmarks: install

@@ -20,10 +20,16 @@ Cell metadata (nbgrader's) says which cells are what:
     solution cell    {"nbgrader": {"solution": true,  "grade": false, "grade_id": "...", "locked": false}}
     graded test cell {"nbgrader": {"solution": false, "grade": true,  "grade_id": "<part>", "points": 3,
                                    "locked": true}}
-The graded test cells are the lab's parts; `utils.tools.grade` scores them.
+The graded test cells are the lab's parts; `utils.tools.grade` judges them.
+
+Links in the copy lead to the student copy, not to the reference: the "Open in Colab" badge of a lab points
+to `labs/<lab>.ipynb` in the *student repository*, and the setup cell's `COURSE_REPO = "..."` (what Colab
+clones) to that repository. The student repository is the course with labs/ holding these copies (the
+reference, with its solutions, stays private: INSTRUCTORS.md). Its URL is --student-repo; the default is the
+lab's own repository with "-student" appended (github.com/dp-from-scratch/dp-from-scratch-student).
 
 Command line (what `make release` runs):
-    python -m utils.tools.release labs --out release
+    python -m utils.tools.release labs --out release [--student-repo https://github.com/you/course-student]
 """
 
 from __future__ import annotations
@@ -46,6 +52,14 @@ TEXT_STUB = "YOUR ANSWER HERE"
 _MARKER_LINE = re.compile(r"^(?P<indent>[ \t]*)#+[ \t]*(?P<which>BEGIN|END)[ \t]+(?P<what>SOLUTION|HIDDEN TESTS)[ \t]*$")
 # Any mention of a marker word, used to catch malformed markers (nbgrader would act on those).
 _MARKER_WORDS = re.compile(r"(BEGIN|END)[ \t]+(SOLUTION|HIDDEN TESTS)")
+
+# Links the student copy rewrites: a Colab badge's target, and the repository the setup cell clones on Colab.
+_COLAB_URL = re.compile(r"https://colab\.research\.google\.com/github/(?P<owner>[\w.-]+)/(?P<repo>[\w.-]+)"
+                        r"/blob/[^\s)\"'<>]+")
+_COURSE_REPO_LINE = re.compile(r"^(?P<lead>[ \t]*COURSE_REPO[ \t]*=[ \t]*)(?P<quote>[\"'])[^\"'\n]*(?P=quote)", re.M)
+_GITHUB_REPO = re.compile(r"^https://github\.com/(?P<owner>[\w.-]+)/(?P<repo>[\w.-]+?)(\.git)?/?$")
+_BRANCH = re.compile(r"^[\w./-]+$")
+DEFAULT_STUDENT_REPO = "https://github.com/dp-from-scratch/dp-from-scratch-student"
 
 
 class LabFormatError(ValueError):
@@ -136,6 +150,49 @@ def student_source(cell, where: str = "cell") -> str:
     return replace_regions(source, HIDDEN_TESTS, None, where)
 
 
+def default_student_repo(nb) -> str:
+    """The lab's own GitHub repository (from its Colab badge or COURSE_REPO) with "-student" appended."""
+    for cell in nb.cells:
+        source = _source(cell)
+        match = _COLAB_URL.search(source)
+        if match:
+            return f"https://github.com/{match['owner']}/{match['repo']}-student"
+        match = _COURSE_REPO_LINE.search(source)
+        if match:
+            url = _GITHUB_REPO.match(match.group(0).split(match["quote"])[1])
+            if url:
+                return f"https://github.com/{url['owner']}/{url['repo']}-student"
+    return DEFAULT_STUDENT_REPO
+
+
+def check_student_repo(url: str, branch: str = "main") -> None:
+    """ValueError unless url is https://github.com/OWNER/NAME (Colab opens notebooks from GitHub) and branch
+    is a plain branch name."""
+    if not _GITHUB_REPO.match(url or ""):
+        raise ValueError(f"--student-repo {url!r}: give the student repository as https://github.com/OWNER/NAME "
+                         "(Colab's badge opens notebooks from GitHub)")
+    if not _BRANCH.match(branch or ""):
+        raise ValueError(f"--branch {branch!r} is not a branch name")
+
+
+def rewrite_links(source: str, cell_type: str, lab_file: str, student_repo: str, branch: str = "main") -> str:
+    """source with this lab's Colab badge pointing at labs/<lab_file> in the student repository and (code cells)
+    COURSE_REPO = that repository."""
+    repo = _GITHUB_REPO.match(student_repo)
+    target = f"https://colab.research.google.com/github/{repo['owner']}/{repo['repo']}/blob/{branch}/labs/{lab_file}"
+    if cell_type == "markdown":
+        return _COLAB_URL.sub(lambda m: target if m.group(0).rsplit("/", 1)[-1] == lab_file else m.group(0), source)
+    if cell_type == "code":
+        clean = f"https://github.com/{repo['owner']}/{repo['repo']}"
+        return _COURSE_REPO_LINE.sub(lambda m: f"{m['lead']}{m['quote']}{clean}{m['quote']}", source)
+    return source
+
+
+def without_links(source: str) -> str:
+    """source with the links rewrite_links changes blanked: for telling a released cell from the reference's."""
+    return _COURSE_REPO_LINE.sub("COURSE_REPO = ...", _COLAB_URL.sub("<colab>", source))
+
+
 def check_lab(nb, name: str = "lab") -> list[tuple[str, int]]:
     """Check a lab's markers and nbgrader metadata; return its parts as [(grade_id, points), ...].
 
@@ -186,12 +243,17 @@ def clear_notebook_run(nb) -> None:
         nb.metadata.pop(key, None)
 
 
-def student_copy(nb, name: str = "lab") -> nbformat.NotebookNode:
-    """The student version of a lab notebook (the input is left unchanged)."""
+def student_copy(nb, name: str = "lab", student_repo: str | None = None, branch: str = "main") -> nbformat.NotebookNode:
+    """The student version of a lab notebook (the input is left unchanged); `name` is its file name, for the
+    links (see the module docstring; student_repo None: default_student_repo)."""
     check_lab(nb, name)
+    student_repo = student_repo or default_student_repo(nb)
+    check_student_repo(student_repo, branch)
+    lab_file = name if name.endswith(".ipynb") else f"{name}.ipynb"
     released = copy.deepcopy(nb)
     for index, cell in enumerate(released.cells):
-        cell.source = student_source(cell, f"{name}, cell {index}")
+        cell.source = rewrite_links(student_source(cell, f"{name}, cell {index}"), cell.get("cell_type"), lab_file,
+                                    student_repo, branch)
         clear_run(cell)
     clear_notebook_run(released)
     leftovers = [i for i, cell in enumerate(released.cells) if _MARKER_WORDS.search(cell.source)]
@@ -204,17 +266,21 @@ def lab_notebooks(labs_dir) -> list[Path]:
     return sorted(p for p in Path(labs_dir).glob("*.ipynb") if not p.name.startswith("."))
 
 
-def release_labs(labs_dir, out_dir) -> list[Path]:
-    """Write the student copy of every lab in labs_dir to out_dir (same file names); return the paths."""
+def release_labs(labs_dir, out_dir, student_repo: str | None = None, branch: str = "main") -> list[Path]:
+    """Write the student copy of every lab in labs_dir to out_dir (same file names); return the paths.
+
+    Every lab is checked before anything is written."""
+    labs = [(path, read_notebook(path)) for path in lab_notebooks(labs_dir)]
+    checked = [(path, nb, check_lab(nb, path.name)) for path, nb in labs]
     written = []
-    for path in lab_notebooks(labs_dir):
-        nb = read_notebook(path)
-        parts = check_lab(nb, path.name)
+    for path, nb, parts in checked:
+        repo = student_repo or default_student_repo(nb)
         target = Path(out_dir) / path.name
-        write_notebook(student_copy(nb, path.name), target)
+        write_notebook(student_copy(nb, path.name, repo, branch), target)
         total = sum(points for _, points in parts)
         print(f"{path} -> {target}: {len(parts)} graded parts, {total:g} points "
-              f"({', '.join(f'{gid} {points:g}' for gid, points in parts)})")
+              f"({', '.join(f'{gid} {points:g}' for gid, points in parts)}); links lead to "
+              f"{repo} (branch {branch}, labs/{path.name})")
         written.append(target)
     return written
 
@@ -223,11 +289,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.tools.release", description=__doc__.split("\n")[0])
     parser.add_argument("labs", help="folder with the reference lab notebooks (e.g. labs)")
     parser.add_argument("--out", default="release", help="folder for the student copies (default: release)")
+    parser.add_argument("--student-repo", default=None,
+                        help="https://github.com/OWNER/NAME where students find these copies (in labs/): the Colab "
+                             "badge and the setup cell's COURSE_REPO point there (default: the lab's repository "
+                             "with -student appended)")
+    parser.add_argument("--branch", default="main", help="the student repository's branch (default: main)")
     args = parser.parse_args(argv)
     if not Path(args.labs).is_dir():
         parser.error(f"{args.labs} is not a folder")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} exists and is not a folder")
     try:
-        written = release_labs(args.labs, args.out)
+        check_student_repo(args.student_repo or DEFAULT_STUDENT_REPO, args.branch)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        written = release_labs(args.labs, args.out, args.student_repo, args.branch)
     except LabFormatError as error:
         print(f"release stopped: {error}", file=sys.stderr)
         return 1

@@ -3,8 +3,10 @@
     python -m utils.tools.run lessons --out build      (what `make run` does)
 
 Each notebook runs with papermill (default parameters, the best backend this machine has) in its
-own folder as working directory; the executed copies go to build/<folder>/ and a summary table
-(lesson, status, seconds) to build/summary.csv. Exit status 1 if any lesson failed.
+own folder as working directory, on a fresh kernel whose channels are IPC sockets in a private folder
+(utils/tools/kernels.py); the executed copies go to build/<folder>/ and a summary table (lesson, status,
+seconds) to build/summary.csv. Exit status 1 if any lesson failed; 2, before anything runs, for a
+folder that does not exist or holds no notebooks.
 """
 import argparse
 import csv
@@ -13,21 +15,27 @@ import sys
 import time
 
 
+def notebooks_in(folder: pathlib.Path) -> list:
+    """The notebooks of a folder, sorted (checkpoints and hidden files skipped)."""
+    return sorted(p for p in folder.glob("*.ipynb") if not p.name.startswith("."))
+
+
 def run_notebooks(folder: pathlib.Path, out: pathlib.Path, timeout: int) -> list:
     """Execute each notebook of `folder`; return (name, status, seconds) rows."""
     import papermill
 
-    notebooks = sorted(p for p in folder.glob("*.ipynb") if not p.name.startswith("."))
-    if not notebooks:
-        raise SystemExit(f"no notebooks in {folder}/: run from the course's root folder")
+    from .kernels import ipc_kernel_manager_class
+
+    notebooks = notebooks_in(folder)
     (out / folder.name).mkdir(parents=True, exist_ok=True)
     rows = []
     for notebook in notebooks:
         start = time.perf_counter()
         try:
-            papermill.execute_notebook(str(notebook), str(out / folder.name / notebook.name),
-                                       cwd=str(folder), kernel_name="python3",
-                                       progress_bar=False, execution_timeout=timeout)
+            with ipc_kernel_manager_class() as kernel_manager_class:
+                papermill.execute_notebook(str(notebook), str(out / folder.name / notebook.name),
+                                           cwd=str(folder), kernel_name="python3", progress_bar=False,
+                                           execution_timeout=timeout, kernel_manager_class=kernel_manager_class)
             status = "ok"
         except Exception as exc:  # noqa: BLE001 — one failing lesson must not stop the others
             status = f"FAILED: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
@@ -38,11 +46,18 @@ def run_notebooks(folder: pathlib.Path, out: pathlib.Path, timeout: int) -> list
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m utils.tools.run", description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=pathlib.Path, help="folders of notebooks, e.g. lessons")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("build"))
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     args = parser.parse_args(argv)
+    if args.timeout <= 0:
+        parser.error("--timeout must be a positive number of seconds")
+    for folder in args.folders:
+        if not folder.is_dir():
+            parser.error(f"{folder} is not a folder (run from the course's root folder, e.g. `lessons`)")
+        if not notebooks_in(folder):
+            parser.error(f"no notebooks in {folder}/")
     rows = []
     for folder in args.folders:
         rows += run_notebooks(folder, args.out, args.timeout)

@@ -1,0 +1,190 @@
+"""The verdict machinery (utils/tools/grade/checker.py, rank.py, wire.py) on its own.
+
+The checker is called directly here, on lab 1's verdicts and on solution cells written to fail in every way a
+process can: a wrong answer, a deadlock, a crash, a syntax error. Each must fail its own part with a message in
+the lab checks' words, within the time limit, and leave no process behind; printing changes nothing.
+"""
+import io
+import pickle
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from utils.tools.grade import checker, wire
+from utils.tools.grade.verdicts import module_path
+from utils.tools.release import read_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK_TIMEOUT = 5
+
+
+# ------------------------------------------------------------------ the wire format
+
+def frame(header, payload=b""):
+    stream = io.BytesIO()
+    wire.write_frame(stream, header, payload)
+    return stream.getvalue()
+
+
+def test_frames_round_trip_tensors_as_raw_bytes():
+    import torch
+
+    tensors = [torch.arange(5, dtype=torch.int64), torch.tensor([[0.5, -1.25]], dtype=torch.float32),
+               torch.tensor([True, False]), torch.empty(0, dtype=torch.float64)]
+    descriptors, payload = wire.pack(tensors)
+    header, got = wire.read_frame(io.BytesIO(frame({"tensors": descriptors}, payload)))
+    back = wire.unpack(header["tensors"], got)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors, back))
+
+
+@pytest.mark.parametrize("data, complaint", [
+    (frame({"a": 1})[:10], "ended inside a frame"),
+    ((1 << 40).to_bytes(8, "big"), "frame header of"),
+    (len(b"[1]").to_bytes(8, "big") + b"[1]" + (0).to_bytes(8, "big"), "not a JSON object"),
+    (len(b"{x").to_bytes(8, "big") + b"{x", "not JSON"),
+])
+def test_malformed_frames_are_refused(data, complaint):
+    with pytest.raises(wire.WireError, match=complaint):
+        wire.read_frame(io.BytesIO(data))
+
+
+@pytest.mark.parametrize("descriptor, complaint", [
+    ({"dtype": "object", "shape": [1], "offset": 0, "nbytes": 8}, "no allowed dtype"),
+    ({"dtype": "int64", "shape": [2], "offset": 0, "nbytes": 8}, "does not match"),
+    ({"dtype": "int64", "shape": [1], "offset": 4, "nbytes": 8}, "does not match"),
+    ({"dtype": "int64", "shape": "1", "offset": 0, "nbytes": 8}, "malformed"),
+])
+def test_tensor_descriptors_must_match_their_bytes(descriptor, complaint):
+    with pytest.raises(wire.WireError, match=complaint):
+        wire.unpack([descriptor], bytes(8))
+
+
+def test_a_pickle_is_just_bytes():
+    """A payload that is a pickle (say, of an object whose __reduce__ runs code) is read as numbers."""
+    payload = pickle.dumps(print) + bytes(-len(pickle.dumps(print)) % 8)
+    (tensor,) = wire.unpack([{"dtype": "uint8", "shape": [len(payload)], "offset": 0, "nbytes": len(payload)}],
+                            payload)
+    assert bytes(tensor.tolist()) == payload
+
+
+# ------------------------------------------------------------------ the checker on lab 1
+
+def lab_cells(**solutions):
+    """The lab's definition cells and the given solution sources, labelled and ordered as the grader does."""
+    from utils.tools import grade
+
+    lab = grade.load_labs(ROOT / "labs")["lab1_collectives"]
+    nb = read_notebook(lab.path)
+    for cell in nb.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in solutions:
+            cell.source = solutions[grade_id]
+    return grade.prepare(nb, lab).cells
+
+
+OFF_BY_ONE = '''def reduce_scatter(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = [chunk.clone() for chunk in tensor.tensor_split(n)]
+    right, left = (rank + 1) % n, (rank - 1) % n
+    inbox = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        outgoing, incoming = chunks[(rank - step) % n], chunks[(rank - 1 - step) % n]
+        exchange(outgoing, right, inbox[:incoming.numel()], left)
+        incoming += inbox[:incoming.numel()]
+    return chunks[(rank + 1) % n]
+'''
+DEADLOCK = '''def all_gather(chunk, length):
+    print("waiting for a message nobody sends")
+    dist.recv(torch.empty(1), (dist.get_rank() + 1) % dist.get_world_size())
+'''
+CRASH = '''def all_reduce_halving_doubling(tensor):
+    import os
+    if dist.get_rank() == 1:
+        print("rank 1 goes away")
+        os._exit(7)
+    return tensor.clone()
+'''
+SYNTAX_ERROR = '''def ring_time(n, nbytes, alpha, beta):
+    return 2 * (n - 1) * (alpha + nbytes / n * beta)
+
+def halving_doubling_time(n, nbytes, alpha, beta
+'''
+
+
+def reference_solution(grade_id):
+    """The reference lab's solution cell `grade_id` (markers included: they are comments)."""
+    nb = read_notebook(ROOT / "labs" / "lab1_collectives.ipynb")
+    return next(c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+
+
+def verdict_processes():
+    def line(p):
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:
+            return ""
+    return [p for p in psutil.Process().children(recursive=True) if "utils.tools.grade.rank" in line(p)]
+
+
+@pytest.fixture(scope="module")
+def judged():
+    job = {"verdicts": str(module_path("lab1_collectives")), "task_timeout": TASK_TIMEOUT,
+           "parts": ["reduce_scatter", "all_gather", "halving_doubling", "cost_comparison"],
+           "cells": lab_cells(reduce_scatter_code=OFF_BY_ONE, all_gather_code=DEADLOCK,
+                              halving_doubling_code=CRASH, cost_model_code=SYNTAX_ERROR)}
+    start = time.monotonic()
+    result = checker.check(job)
+    return result, time.monotonic() - start
+
+
+def message(judged, part):
+    verdict = judged[0]["parts"][part]
+    assert verdict["passed"] is False
+    return verdict["message"]
+
+
+def test_a_wrong_answer_is_named_by_rank_and_case(judged):
+    text = message(judged, "reduce_scatter")
+    assert text.startswith("✗ reduce_scatter at N=2:\n  rank 0, length 2, float32: returned chunk 1 of the sum")
+    assert "off by one chunk?" in text
+
+
+def test_a_deadlock_fails_its_part_at_the_time_limit(judged):
+    text = message(judged, "all_gather")
+    assert f"no result after {TASK_TIMEOUT} s while running all_gather at N=2: likely a deadlock" in text
+
+
+def test_a_crashed_rank_fails_its_part_with_its_last_words(judged):
+    text = message(judged, "halving_doubling")
+    assert "the process of rank 1 exited" in text and "rank 1 goes away" in text
+
+
+def test_a_syntax_error_is_reported_and_fails_what_it_defines(judged):
+    text = message(judged, "cost_comparison")
+    assert "ring_time is not defined" in text
+    errors = judged[0]["cell_errors"]
+    assert list(errors) == ["<solution cell 'cost_model_code'>"] and "SyntaxError" in errors[
+        "<solution cell 'cost_model_code'>"]
+
+
+def test_failures_cost_their_time_limit_and_leave_nothing_running(judged):
+    assert judged[1] < 3 * TASK_TIMEOUT + 120, "one deadlock, three fresh pools"
+    assert verdict_processes() == []
+
+
+CHATTY = """def ring_time(n, nbytes, alpha, beta):
+    print("ring_time says hello " * 5000)
+    return 2 * (n - 1) * (alpha + nbytes / n * beta)
+"""
+
+
+def test_what_student_code_prints_never_reaches_a_verdict():
+    """A correct function that prints a lot (here ~5 MB) still passes: its output is read and dropped."""
+    job = {"verdicts": str(module_path("lab1_collectives")), "task_timeout": 60, "parts": ["cost_comparison"],
+           "cells": lab_cells(cost_model_code=CHATTY + "\n\ndef halving_doubling_time" + reference_solution(
+               "cost_model_code").split("\n\ndef halving_doubling_time", 1)[1])}
+    result = checker.check(job)
+    assert result["parts"]["cost_comparison"]["passed"], result
+    assert verdict_processes() == []

@@ -1,0 +1,256 @@
+"""Lab 1's verdicts (labs/lab1_collectives.ipynb): the four graded parts, judged where no student code runs.
+
+    reduce_scatter     reduce_scatter(tensor) on N = 2 … 6: rank r must return chunk r of the sum
+    all_gather         all_gather(chunk, length) on N = 2 … 6: every rank must return the whole tensor
+    halving_doubling   all_reduce_halving_doubling(tensor) on N = 2 … 6 (3, 5, 6 fold): the sum on every rank
+    cost_comparison    ring_time, halving_doubling_time, crossover_bytes against lab1.reference_*
+
+Each world size gets fresh cases: lengths N divides and lengths it does not (one element per chunk, 2N+1, a
+random uneven length, a random multiple of the byte rule's divisor, a random long one), each in float32,
+float64 and int64. Values are small integers (multiples of 1/8 for floats, so every sum is exact in any order)
+from os.urandom, so one rank's inputs say nothing about another's; lengths come from the checker's random
+source, seeded from `secrets`. The checker computes the sums and compares every element of every rank's result.
+
+The traffic rules are the lab's own (utils.labchecks.lab1): scatter_gather_bytes and halving_doubling_bytes
+(and the peer rules, where lab1 defines them), compared where the chunking is even. Bytes, messages, peers
+and "point-to-point calls only" are measured inside the rank processes, which also run the student's code:
+they are advisory against deliberate tampering (NOTE below says so in every feedback).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from utils import bytecount
+from utils.labchecks import lab1
+
+from utils.tools.grade.verdicts import Case, InProcess, OnRanks, function, returned_type, scalar, unpredictable_integers
+
+WORLD_SIZES = (2, 3, 4, 5, 6)
+DTYPES = ("float32", "float64", "int64")
+_PEERS = ", peers" if hasattr(lab1, "ring_peers") and hasattr(lab1, "halving_doubling_peers") else ""
+NOTE = (f"Bytes, messages{_PEERS} and 'point-to-point calls only' are measured inside your own rank processes "
+        "(which also run your code): they catch mistakes, and are advisory against deliberate tampering.")
+
+
+# ------------------------------------------------------------------ on every rank (trusted code, untrusted process)
+
+def run_collective(namespace, params, inputs):
+    """Call the student's collective on this rank's input, counting its traffic; built-in collectives forbidden."""
+    fn = function(namespace, params["function"])
+    arguments = [inputs[0]] + ([params["length"]] if params.get("pass_length") else [])
+    with bytecount.count_bytes() as counter, bytecount.forbid_collectives():
+        got = fn(*arguments)
+    summary = counter.summary()
+    measured = {key: summary[key] for key in ("sent", "received", "messages_sent")}
+    for peer, moved in summary.get("by_peer", {}).items():
+        measured[f"to {peer}"], measured[f"from {peer}"] = moved["sent"], moved["received"]
+    return [got], measured
+
+
+def run_cost_model(namespace, params):
+    """The student's cost functions on every argument list; the answers as JSON scalars."""
+    fn = function(namespace, params["function"])
+    return [scalar(fn(*arguments)) for arguments in params["calls"]]
+
+
+# ------------------------------------------------------------------ in the checker: cases
+
+def _values(length, dtype):
+    """Unpredictable small integers, as int64, or as multiples of 1/8 (sums of a few are exact in any order)."""
+    values = unpredictable_integers(length, -64, 64)
+    return values if dtype == "int64" else values.to(getattr(torch, dtype)) / 8
+
+
+def _lengths(n, divisor, rng):
+    """One element per chunk, 2N+1, an uneven length, a multiple of the byte rule's divisor, a long one."""
+    uneven = rng.choice([length for length in range(3 * n, 400) if length % n])
+    return [n, 2 * n + 1, uneven, divisor * rng.randint(8, 40), rng.randint(1000, 3000)]
+
+
+FUNCTIONS = {"reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
+             "halving_doubling": "all_reduce_halving_doubling"}
+
+
+def _collective_cases(kind, divisor):
+    """cases(n, rng) for one collective: every rank's input drawn here, the expected result kept here."""
+    def cases(n, rng):
+        out = []
+        for length in _lengths(n, divisor(n), rng):
+            for dtype in DTYPES:
+                if kind == "all_gather":  # rank r holds chunk r of a tensor; everyone must end with all of it
+                    total = _values(length, dtype)
+                    inputs = [[total[a:b].clone()] for a, b in lab1.chunk_bounds(length, n)]
+                else:
+                    inputs = [[_values(length, dtype)] for _ in range(n)]
+                    total = torch.stack([i[0] for i in inputs]).sum(0).to(getattr(torch, dtype))
+                params = {"function": FUNCTIONS[kind], "pass_length": kind == "all_gather", "length": length}
+                out.append(Case(f"length {length}, {dtype}", params, inputs,
+                                {"length": length, "dtype": dtype, "total": total, "inputs": inputs}))
+        return out
+    return cases
+
+
+def _cost_cases(rng):
+    """The notebook's visible cases plus random ones: world sizes from 2 to 4096, sizes from 100 B to 10 GB."""
+    sizes = [2, 3, 4, 5, 6, 7, 8, 12, 1000, 1024] + [rng.randint(9, 4096) for _ in range(4)] + \
+            [2 ** rng.randint(4, 12)]
+    visible = [(n, m, 5e-6, 1 / 100e9) for n in (2, 3, 4, 5, 6, 7, 8, 12, 1000, 1024)
+               for m in (1e3, 1e6, 25 * 2 ** 20, 1e9)]
+    hidden = [(n, 10 ** rng.uniform(2, 10), 10 ** rng.uniform(-7, -4), 1 / 10 ** rng.uniform(8, 11.5))
+              for n in sizes for _ in range(2)]
+    times = [(args, False) for args in visible] + [(args, True) for args in hidden]
+    crossings = [((n, 5e-6, 1 / 100e9), False) for n in sizes[:10]] + \
+                [((n, 10 ** rng.uniform(-7, -4), 1 / 10 ** rng.uniform(8, 11.5)), True) for n in sizes]
+    out = []
+    for name, reference, calls in [("ring_time", lab1.reference_ring_time, times),
+                                   ("halving_doubling_time", lab1.reference_halving_doubling_time, times),
+                                   ("crossover_bytes", lab1.reference_crossover, crossings)]:
+        out.append(Case(f"{name}", {"function": name, "calls": [list(args) for args, _ in calls]}, [],
+                        [(args, hidden, reference(*args)) for args, hidden in calls]))
+    return out
+
+
+# ------------------------------------------------------------------ in the checker: judging
+
+def _fmt(value):
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _first_wrong(got, want, offset=0, bounds=None):
+    wrong = (got != want).nonzero().flatten()
+    i = wrong[0].item()
+    text = (f"{len(wrong)} of {want.numel()} elements wrong, first at element {offset + i}: expected "
+            f"{_fmt(want[i].item())}, got {_fmt(got[i].item())}")
+    if bounds is not None:
+        chunks = sorted({c for c, (a, b) in enumerate(bounds) for j in wrong.tolist() if a <= offset + j < b})
+        text += f"; wrong chunks: {chunks}"
+    return text
+
+
+def _value_problem(kind, rank, n, case, got):
+    """One line saying how this rank's result differs from the expected, or None."""
+    label, total = case.label, case.expected["total"]
+    bounds = lab1.chunk_bounds(case.expected["length"], n)
+    start, stop = bounds[rank]
+    want = total[start:stop] if kind == "reduce_scatter" else total
+    if isinstance(got, str):
+        return f"rank {rank}, {label}: returned {got}, expected a tensor"
+    if got.dtype != want.dtype:
+        return f"rank {rank}, {label}: returned dtype {got.dtype}, expected {want.dtype} (keep the input's dtype)"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"rank {rank}, {label}: returned shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if torch.equal(got, want):
+        return None
+    if kind == "reduce_scatter":
+        where = f"chunk {rank} = elements {start}:{stop} of the sum"
+        for other, (a, b) in enumerate(bounds):
+            if other != rank and b - a == stop - start and torch.equal(got, total[a:b]):
+                return (f"rank {rank}, {label}: returned chunk {other} of the sum, expected {where}: off by one "
+                        "chunk? Rank r must end with chunk r.")
+        if torch.equal(got, case.expected["inputs"][rank][0][start:stop]):
+            return f"rank {rank}, {label}: returned its own input for {where}: nothing was added"
+        return f"rank {rank}, {label}: wrong values for {where}: {_first_wrong(got, want, start)}"
+    if kind == "all_gather":
+        return (f"rank {rank}, {label}: wrong gathered tensor (chunk j must come from rank j): "
+                f"{_first_wrong(got, want, 0, bounds)}")
+    return f"rank {rank}, {label}: wrong sum: {_first_wrong(got, want, 0, bounds)} (chunks as in tensor_split({n}))"
+
+
+def _traffic_problems(rank, n, case, measured, expected_bytes, divisor, peers):
+    length, dtype = case.expected["length"], case.expected["dtype"]
+    nbytes = length * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    problems = []
+    if peers is not None:
+        sends_to, receives_from, why = peers(rank, n)
+        for key, amount in sorted(measured.items()):
+            direction, _, peer = key.partition(" ")
+            if direction in ("to", "from") and peer.lstrip("-").isdigit() and amount:
+                allowed = sends_to if direction == "to" else receives_from
+                if int(peer) not in allowed:
+                    verb = "sent" if direction == "to" else "received"
+                    problems.append(f"rank {rank}, length {length}: {verb} {amount} bytes {direction} rank {peer}; "
+                                    f"{why}")
+    if length % divisor:
+        return problems
+    want = expected_bytes(rank, n, nbytes)
+    for key in ("sent", "received"):
+        if measured.get(key) != want[key]:
+            problems.append(f"rank {rank}, length {length} (M = {nbytes} bytes): {key} {measured.get(key)} bytes, "
+                            f"expected {want[key]} ({want['why']})")
+    if "max_messages" in want and measured.get("messages_sent", 0) > want["max_messages"]:
+        problems.append(f"rank {rank}, length {length}: sent {measured.get('messages_sent')} messages, at most "
+                        f"{want['max_messages']} expected ({want['why_messages']})")
+    return problems
+
+
+def _judge_collective(kind, expected_bytes, divisor, peers):
+    def judge(n, case, results):
+        values = [_value_problem(kind, rank, n, case, r.value[0] if r.value else "nothing")
+                  for rank, r in enumerate(results)]
+        problems = [v for v in values if v]
+        if problems:
+            return problems
+        for rank, r in enumerate(results):
+            problems += _traffic_problems(rank, n, case, r.measured, expected_bytes, divisor(n), peers)
+        return problems
+    return judge
+
+
+def _call(name, args, hidden):
+    """How a call reads in feedback: a random case's inputs only to two digits (they are drawn afresh anyway)."""
+    names = ("n", "nbytes", "alpha", "beta") if len(args) == 4 else ("n", "alpha", "beta")
+    shown = ", ".join(f"{k}={v}" if k == "n" else f"{k}≈{v:.2g}" if hidden else f"{k}={_fmt(v)}"
+                      for k, v in zip(names, args))
+    return f"{name}({shown})" + (" (a random case)" if hidden else "")
+
+
+def _judge_cost(case, result):
+    name = case.params["function"]
+    accept = lab1.accept_crossover if name == "crossover_bytes" else lab1.accept_time
+    answers = result.value if isinstance(result.value, list) else []
+    for index, (args, hidden, want) in enumerate(case.expected):
+        got = answers[index] if index < len(answers) else None
+        kind = returned_type(got) or (repr(got) if got is None or isinstance(got, (bool, str)) else None)
+        if kind is not None:
+            return [f"{_call(name, args, hidden)} returned {kind}: return a number (a Python float or int)"]
+        if not accept(got, want):
+            unit = "bytes" if name == "crossover_bytes" else "s"
+            return [f"{_call(name, args, hidden)} = {got!r}, expected {want:.6g} {unit}"]
+    return []
+
+
+def _power_divisor(n):
+    p, _ = lab1.power_of_two_below(n)
+    return math.lcm(n, p)
+
+
+def _optional(name):
+    return getattr(lab1, name, None)
+
+
+_RING = dict(expected_bytes=lab1.scatter_gather_bytes, divisor=lambda n: n, peers=_optional("ring_peers"))
+_HALVING_DOUBLING = dict(expected_bytes=lab1.halving_doubling_bytes, divisor=_power_divisor,
+                         peers=_optional("halving_doubling_peers"))
+
+_SUMMARY = ("exact on every rank for N = 2 … 6, on lengths N divides and lengths it does not, in float32, float64 "
+            "and int64, with fresh random inputs")
+
+PARTS = {
+    "reduce_scatter": OnRanks(run_collective, WORLD_SIZES, _collective_cases("reduce_scatter", _RING["divisor"]),
+                              _judge_collective("reduce_scatter", **_RING), "reduce_scatter",
+                              _SUMMARY + "; (N-1)/N × M bytes each way per rank where N divides the length"),
+    "all_gather": OnRanks(run_collective, WORLD_SIZES, _collective_cases("all_gather", _RING["divisor"]),
+                          _judge_collective("all_gather", **_RING), "all_gather",
+                          _SUMMARY + "; (N-1)/N × M bytes each way per rank where N divides the length"),
+    "halving_doubling": OnRanks(run_collective, WORLD_SIZES,
+                                _collective_cases("halving_doubling", _HALVING_DOUBLING["divisor"]),
+                                _judge_collective("halving_doubling", **_HALVING_DOUBLING),
+                                "all_reduce_halving_doubling",
+                                _SUMMARY + "; halving-doubling's bytes and messages (fold rule) where N and p "
+                                "divide the length"),
+    "cost_comparison": InProcess(run_cost_model, _cost_cases, _judge_cost, "the cost model",
+                                 "ring_time, halving_doubling_time and crossover_bytes match the α-β model on the "
+                                 "notebook's cases and on random ones (N up to 4096)"),
+}

@@ -1,0 +1,56 @@
+"""Jupyter kernels the course's tools start themselves talk over IPC sockets in a private folder.
+
+`make run` (utils/tools/run.py, via papermill) and the grader (via nbclient) start kernels headless. Over TCP
+every kernel warns "Kernel is running over TCP without encryption" and listens on localhost ports any local
+user can reach; over IPC its channels are Unix sockets in a folder only we can enter. jupyter_client's IPC
+default is a *relative* "kernel-ipc" path: it litters the notebook's folder (and made nbclient time out),
+so the sockets go to an absolute path in a fresh folder under /tmp, short because a Unix socket path must
+stay under ~107 characters. The folder is removed afterwards.
+
+    with ipc_kernel_manager_class() as manager_class:
+        papermill.execute_notebook(..., kernel_manager_class=manager_class)
+
+(nbval, which builds its own kernel manager for `make test`, stays on TCP.)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+MAX_SOCKET_PATH = 100  # bytes; Linux allows 107 for a Unix socket path, macOS 103
+
+
+def socket_folder(parent=None) -> Path:
+    """A new private folder for kernel sockets: under `parent`, else /tmp (short), else the temp folder."""
+    if parent is None and os.path.isdir("/tmp") and os.access("/tmp", os.W_OK):
+        parent = "/tmp"
+    folder = Path(tempfile.mkdtemp(prefix="k-", dir=parent))
+    if len(str(folder / "k-00000")) > MAX_SOCKET_PATH:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise OSError(f"kernel socket folder {folder} is too long for Unix sockets (> {MAX_SOCKET_PATH} "
+                      "characters): use a shorter temporary folder")
+    os.chmod(folder, 0o700)
+    return folder
+
+
+@contextlib.contextmanager
+def ipc_kernel_manager_class(base=None, parent=None):
+    """A kernel manager class (subclass of `base`, default AsyncKernelManager) whose kernels use IPC sockets in
+    one private folder, removed when the block ends. Kernels started from it get distinct socket names."""
+    if base is None:
+        from jupyter_client.manager import AsyncKernelManager as base
+    folder = socket_folder(parent)
+
+    class IPCKernelManager(base):
+        def __init__(self, **kwargs):
+            kwargs.setdefault("transport", "ipc")
+            kwargs.setdefault("ip", str(folder / "k"))
+            super().__init__(**kwargs)
+
+    try:
+        yield IPCKernelManager
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
