@@ -63,14 +63,20 @@ def _measured(values) -> dict:
             if type(k) is str and type(v) in (int, float)}
 
 
+MAX_OUTPUTS = 16  # tensors (or other values) one rank sends back per case
+
+
 def _encode_outputs(outputs, offset) -> tuple[list, bytes]:
     """Descriptors of the tensors among outputs (offsets from `offset`), {"type": name} for anything else."""
     import torch
 
     if type(outputs) not in (list, tuple):
         outputs = [outputs]
+    if len(outputs) > MAX_OUTPUTS:  # the verdict program's own bug: say so instead of dropping data
+        raise RuntimeError(f"the verdict program returned {len(outputs)} outputs for one case; at most "
+                           f"{MAX_OUTPUTS} travel: pack tensors together (e.g. one flat tensor per kind)")
     described, payload = [], b""
-    for value in list(outputs)[:16]:
+    for value in outputs:
         if isinstance(value, torch.Tensor):
             (descriptor,), raw = wire.pack([value])
             descriptor["offset"] = offset + len(payload)

@@ -23,9 +23,10 @@ What a program *measures* inside a process that runs student code (bytes sent, m
 collective") is only as trustworthy as that process: it catches mistakes, not deliberate tampering. Values
 (tensors, numbers) are judged in the checker and cannot be faked without computing them.
 
-Lab 2 and 3 add `verdicts/lab2_*.py` and `verdicts/lab3_*.py` the same way: a program that builds the model,
-wraps it with the student's class and returns parameters and gradients as tensors, judged against a reference
-the checker computes on its own.
+Labs 2 and 3 (`lab2_ddp.py`, `lab3_sharded_optimizer.py`) do the same for a class: the program builds the model,
+wraps it with the student's class, trains a few steps and returns parameters, gradients (and, for lab 2, buffers,
+forward outputs and an event trace) packed into at most 16 tensors per case (rank.MAX_OUTPUTS), judged against a
+reference the checker computes on its own.
 """
 from __future__ import annotations
 
