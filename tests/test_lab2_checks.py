@@ -123,6 +123,16 @@ class NoBufferBroadcast(Wrapper):
         module.shift.copy_(shift)
 
 
+class BlocksInTheHook(Wrapper):
+    """Launches each bucket from the hook, but with a blocking all-reduce: backward waits for every one."""
+
+    def launch(self, grads):
+        flat = torch.cat([g.flatten() for g in grads]).div_(dist.get_world_size())
+        dist.all_reduce(flat)  # no async_op=True
+        for g, averaged in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(averaged.view_as(g))
+
+
 class ForgetsToWait(Wrapper):
     """Never waits, never copies the averages back: each rank keeps its own gradient."""
 
@@ -166,6 +176,13 @@ def test_never_overlapping_wrapper():
            r"must\. Launch each bucket from the gradient hook.*Your collectives: 37,376 B after gradient 18/18",
            lab2.check_overlap, NeverOverlaps, world_sizes=(2,))
     lab2.check_training(NeverOverlaps, world_sizes=(2,), models=(lab2.TIED,))  # right gradients, just late
+
+
+def test_a_blocking_all_reduce_in_the_hook_does_not_overlap():
+    # Recorded after it returned, a blocking call used to look early (97 %) and earned the overlap points.
+    _fails(r"0 of 141,312 gradient bytes \(0%\) started before backward ended.*async_op=True",
+           lab2.check_overlap, BlocksInTheHook, world_sizes=(2,))
+    lab2.check_training(BlocksInTheHook, world_sizes=(2,), models=(lab2.TIED,))  # right gradients, no overlap
 
 
 def test_one_tiny_early_bucket_does_not_pass():

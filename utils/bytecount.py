@@ -104,8 +104,10 @@ class ByteCounter:
     def __init__(self):
         self.records = []  # one dict per call: op, peer, sent, received, nominal
 
-    def add(self, op, sent=0, received=0, peer=None, nominal=False):
-        self.records.append(dict(op=op, peer=peer, sent=int(sent), received=int(received), nominal=nominal))
+    def add(self, op, sent=0, received=0, peer=None, nominal=False, asynchronous=False):
+        """Record one call. `asynchronous`: a collective called with async_op=True (it returned at once)."""
+        self.records.append(dict(op=op, peer=peer, sent=int(sent), received=int(received), nominal=nominal,
+                                 asynchronous=asynchronous))
 
     def _total(self, key, nominal):
         return sum(r[key] for r in self.records if r["nominal"] == nominal)
@@ -315,8 +317,9 @@ def _counting_wrapper(label, name, original):
                 counter.add(name, sent=nbytes if sending else 0, received=0 if sending else nbytes, peer=peer)
         else:
             sent, received = _nominal_volume(name, bound)
+            asynchronous = bool(bound.arguments.get("async_op", False))
             for counter in _active_counters:
-                counter.add(name, sent=sent, received=received, nominal=True)
+                counter.add(name, sent=sent, received=received, nominal=True, asynchronous=asynchronous)
         return result
 
     return wrapper

@@ -175,17 +175,19 @@ def run_case(Wrapper, case):
         x, y = global_batch(case, step)
         x, y = shard(x, rank, n).to(device), shard(y, rank, n).to(device)
         events.clear()
+        blocking = []  # collectives called without async_op=True: backward waited for them, so none started early
         with bytecount.count_bytes() as counter:
             add = counter.add
 
-            def recording_add(op, sent=0, received=0, peer=None, nominal=False, add=add):
-                events.append(("comm", op, int(sent), trace.now()))
-                add(op, sent, received, peer, nominal)
+            def recording_add(op, sent=0, received=0, peer=None, nominal=False, asynchronous=False, add=add):
+                (events if asynchronous or not nominal else blocking).append(("comm", op, int(sent), trace.now()))
+                add(op, sent, received, peer, nominal, asynchronous)
 
             counter.add = recording_add
             loss = wrapper(x, y)
             loss.backward()
             wrapper.finish_gradient_synchronization()
+        events.extend(blocking)  # counted in full, as if issued after backward
         result["bytes"].append(counter.nominal_sent + counter.sent)
         result["events"].append(list(events))
         result["grads"].append({name: None if p.grad is None else p.grad.detach().clone().cpu()
@@ -380,7 +382,9 @@ def judge_overlap(case, world_size, results, share=EARLY_SHARE):
         elif early < share * total:
             problems.append(f"rank {rank}, last step: {early:,} of {total:,} gradient bytes ({early / total:.0%}) "
                             f"started before backward ended; at least {share:.0%} must. Launch each bucket from "
-                            "the gradient hook as soon as it is full, not in finish_gradient_synchronization(). "
+                            "the gradient hook as soon as it is full, with async_op=True (a blocking all-reduce "
+                            "makes backward wait for it, so it counts as started after backward), not in "
+                            "finish_gradient_synchronization(). "
                             f"Your collectives: {describe_trace(events)}")
     return problems
 

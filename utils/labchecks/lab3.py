@@ -176,7 +176,10 @@ def state_bytes(optimizer):
     optimizers = [optimizer]
     for value in vars(optimizer).values():
         _optimizers_in(value, optimizers)
-    tensors = [v for o in optimizers for state in getattr(o, "state", {}).values() if isinstance(state, dict)
+    # Only trainable parameters' state counts, here and in the unsharded reference: some optimizers (Adagrad)
+    # create state for every parameter they are given, frozen ones included, which is no sharding question.
+    tensors = [v for o in optimizers for param, state in getattr(o, "state", {}).items()
+               if isinstance(state, dict) and getattr(param, "requires_grad", True)
                for v in state.values() if torch.is_tensor(v)]
     return unique_storage_bytes(tensors)
 
@@ -256,7 +259,9 @@ def reference_run(case, inputs):
 
 
 def _per_parameter_state(optimizer):
-    return [unique_storage_bytes(v for v in s.values() if torch.is_tensor(v)) for s in optimizer.state.values()]
+    """Bytes of state per trainable parameter (frozen parameters' state is not counted: see `state_bytes`)."""
+    return [unique_storage_bytes(v for v in s.values() if torch.is_tensor(v))
+            for param, s in optimizer.state.items() if param.requires_grad]
 
 
 def largest_state(case):
