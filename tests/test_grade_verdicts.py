@@ -188,3 +188,18 @@ def test_what_student_code_prints_never_reaches_a_verdict():
     result = checker.check(job)
     assert result["parts"]["cost_comparison"]["passed"], result
     assert verdict_processes() == []
+
+
+def test_solution_cells_that_never_finish_fail_every_part_once(monkeypatch):
+    """A top-level endless loop: the ranks never get ready; every part fails, after one wait, not one per part."""
+    monkeypatch.setattr(checker, "STARTUP_TIMEOUT", 5)
+    job = {"verdicts": str(module_path("lab1_collectives")), "task_timeout": 5,
+           "parts": ["reduce_scatter", "cost_comparison"],
+           "cells": lab_cells(reduce_scatter_code="while True:\n    pass")}
+    start = time.monotonic()
+    result = checker.check(job)
+    assert time.monotonic() - start < 5 + 60
+    for part in ("reduce_scatter", "cost_comparison"):
+        assert "no result after 5 s while running your solution cells: code at the top level" in \
+            result["parts"][part]["message"]
+    assert verdict_processes() == []
