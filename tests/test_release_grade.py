@@ -386,7 +386,7 @@ def test_released_copy_scores_zero_on_every_part_within_its_limit(fixture_grades
 def test_wrong_submission_loses_exactly_the_part_it_breaks(fixture_grades):
     assert points(fixture_grades, "bob") == {"average": 0, "ring": 3, "chunks": 1}
     text = feedback(fixture_grades, "bob")
-    assert "✗ average: 0 / 2" in text and "average, random case 1: expected" in text
+    assert "✗ average: 0 / 2" in text and "average, case 1: expected 3.0, got 12.0" in text
     assert "✓ ring: 3 / 3" in text
 
 
