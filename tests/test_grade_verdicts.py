@@ -6,6 +6,7 @@ the lab checks' words, within the time limit, and leave no process behind; print
 """
 import io
 import pickle
+import re
 import time
 from pathlib import Path
 
@@ -147,7 +148,8 @@ def message(judged, part):
 
 def test_a_wrong_answer_is_named_by_rank_and_case(judged):
     text = message(judged, "reduce_scatter")
-    assert text.startswith("✗ reduce_scatter at N=2:\n  rank 0, length 2, float32: returned chunk 1 of the sum")
+    assert text.startswith("✗ reduce_scatter at N=2:\n  rank ")
+    assert re.search(r"rank \d, length \d+, \w+: returned chunk \d of the sum, expected chunk \d = elements", text)
     assert "off by one chunk?" in text
 
 
@@ -187,4 +189,19 @@ def test_what_student_code_prints_never_reaches_a_verdict():
                "cost_model_code").split("\n\ndef halving_doubling_time", 1)[1])}
     result = checker.check(job)
     assert result["parts"]["cost_comparison"]["passed"], result
+    assert verdict_processes() == []
+
+
+def test_solution_cells_that_never_finish_fail_every_part_once(monkeypatch):
+    """A top-level endless loop: the ranks never get ready; every part fails, after one wait, not one per part."""
+    monkeypatch.setattr(checker, "STARTUP_TIMEOUT", 5)
+    job = {"verdicts": str(module_path("lab1_collectives")), "task_timeout": 5,
+           "parts": ["reduce_scatter", "cost_comparison"],
+           "cells": lab_cells(reduce_scatter_code="while True:\n    pass")}
+    start = time.monotonic()
+    result = checker.check(job)
+    assert time.monotonic() - start < 5 + 60
+    for part in ("reduce_scatter", "cost_comparison"):
+        assert "no result after 5 s while running your solution cells: code at the top level" in \
+            result["parts"][part]["message"]
     assert verdict_processes() == []

@@ -77,7 +77,7 @@ class Pool:
             threading.Thread(target=self._drain, args=(self.proc.stdout, size), daemon=True).start()
             self._write(self.proc.stdin, dict(setup, ranks=child_fds), b"", close=True)
             replies = self._collect(range(size), time.monotonic() + max(STARTUP_TIMEOUT, task_timeout),
-                                    "running your solution cells")
+                                    "running your solution cells", "code at the top level of a cell that never ends?")
         except BaseException:
             for fd in (fd for fds in theirs for fd in fds):
                 os.close(fd)
@@ -113,7 +113,7 @@ class Pool:
         text = self.tails[index].decode("utf-8", "replace").strip()
         return "\n".join(text.splitlines()[-8:])
 
-    def _collect(self, ranks, deadline, doing) -> dict:
+    def _collect(self, ranks, deadline, doing, hang_hint=None) -> dict:
         """{rank: frame} once every rank in `ranks` replied; PoolFailure at the first hang or crash."""
         ranks, replies, raised_at = set(ranks), {}, None
         while ranks - replies.keys():
@@ -124,6 +124,9 @@ class Pool:
                 if raised_at is not None:  # some rank's code raised and the others wait for it
                     return replies
                 waiting = sorted(ranks - replies.keys())
+                seconds = max(STARTUP_TIMEOUT, self.task_timeout) if hang_hint else self.task_timeout
+                if hang_hint:
+                    raise PoolFailure(f"no result after {seconds:g} s while {doing}: {hang_hint}") from None
                 if self.size == 1:
                     raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: an endless loop, "
                                       "or a call that waits forever?") from None
@@ -318,9 +321,15 @@ def check(job: dict) -> dict:
                 state["pool"].kill()
             state["pool"] = None
             return None
+        if state["failure"] is not None:  # the solution cells could not even be run: no use trying again
+            raise state["failure"]
         if state["pool"] is None:
             started = time.monotonic()
-            state["pool"] = Pool(size, setup, task_timeout, env, os.getcwd())
+            try:
+                state["pool"] = Pool(size, setup, task_timeout, env, os.getcwd())
+            except PoolFailure as failure:
+                state["failure"] = failure
+                raise
             cell_errors.update(state["pool"].cell_errors)
             log(f"started {size} verdict process(es) in {time.monotonic() - started:.1f} s")
         return state["pool"]

@@ -59,7 +59,7 @@ def run_cost_model(namespace, params):
 
 def _values(length, dtype):
     """Unpredictable small integers, as int64, or as multiples of 1/8 (sums of a few are exact in any order)."""
-    values = unpredictable_integers(length, -64, 64)
+    values = unpredictable_integers(length, -1024, 1024)  # floats: 14 bits for a sum of 6, exact in float32
     return values if dtype == "int64" else values.to(getattr(torch, dtype)) / 8
 
 
