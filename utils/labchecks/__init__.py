@@ -5,5 +5,5 @@
     lab2.py      lab 2 (a bucketed, overlapping DDP wrapper)
 
 These checks are feedback for the student, run inside the student's notebook. Grades do not come from them:
-the grader (utils/tools/grade.py) computes its verdicts in a process that runs no student code.
+the grader (utils/tools/grade/) computes its verdicts in a process that runs no student code.
 """
