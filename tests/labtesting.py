@@ -1,5 +1,8 @@
-"""Shared by the lab-check tests (tests/ is on sys.path under pytest's default import mode)."""
+"""Shared by the lab-check and grader tests (tests/ is on sys.path under pytest's default import mode)."""
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -8,7 +11,8 @@ import pytest
 from utils.labchecks.harness import LabCheckFailure
 from utils.tools import release
 
-LABS = Path(__file__).resolve().parents[1] / "labs"
+ROOT = Path(__file__).resolve().parents[1]
+LABS = ROOT / "labs"
 
 
 def fails(match, check, *args, **kwargs):
@@ -39,3 +43,12 @@ def lab_class(lab: str, class_name: str, student: bool = False):
     namespace = {"__name__": f"{module}_student" if student else f"{module}_reference"}
     exec(compile(imports[0].source + "\n" + source, f"<{module}>", "exec"), namespace)
     return namespace[class_name]
+
+
+def run_grader(args, timeout):
+    """`python -m utils.tools.grade ARGS` as `make grade` runs it; returns (seconds, output)."""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "utils.tools.grade", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return time.monotonic() - start, done.stdout + done.stderr

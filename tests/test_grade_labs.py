@@ -13,12 +13,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from utils.tools import grade, release
+from labtesting import run_grader
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_LABS = sorted((ROOT / "labs").glob("lab*.ipynb"))
@@ -26,15 +26,6 @@ LIMIT = 300
 _spec = importlib.util.spec_from_file_location("cheats", ROOT / "tests" / "fixtures" / "cheats.py")
 cheats = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cheats)
-
-
-def run_grader(args, timeout):
-    """`python -m utils.tools.grade ARGS` as `make grade` runs it; returns (seconds, output)."""
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "utils.tools.grade", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return time.monotonic() - start, done.stdout + done.stderr
 
 
 def read_reports(out):

@@ -35,6 +35,7 @@ import psutil
 import pytest
 
 from utils.tools import grade, release
+from labtesting import run_grader
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -309,15 +310,6 @@ def fixture_lab_parts():
 
 
 # ------------------------------------------------------------------ grading the fixture submissions
-
-def run_grader(args, timeout):
-    """`python -m utils.tools.grade ARGS` as `make grade` runs it; returns (seconds, stdout)."""
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "utils.tools.grade", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return time.monotonic() - start, done.stdout + done.stderr
-
 
 def read_reports(out):
     with open(out / "grades.csv") as f:

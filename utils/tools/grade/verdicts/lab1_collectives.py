@@ -24,6 +24,7 @@ import torch
 
 from utils import bytecount
 from utils.labchecks import lab1
+from utils.labchecks.harness import describe_mismatch, fmt
 
 from utils.tools.grade.verdicts import Case, InProcess, OnRanks, function, returned_type, scalar, unpredictable_integers
 
@@ -114,21 +115,6 @@ def _cost_cases(rng):
 
 # ------------------------------------------------------------------ in the checker: judging
 
-def _fmt(value):
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _first_wrong(got, want, offset=0, bounds=None):
-    wrong = (got != want).nonzero().flatten()
-    i = wrong[0].item()
-    text = (f"{len(wrong)} of {want.numel()} elements wrong, first at element {offset + i}: expected "
-            f"{_fmt(want[i].item())}, got {_fmt(got[i].item())}")
-    if bounds is not None:
-        chunks = sorted({c for c, (a, b) in enumerate(bounds) for j in wrong.tolist() if a <= offset + j < b})
-        text += f"; wrong chunks: {chunks}"
-    return text
-
-
 def _value_problem(kind, rank, n, case, got):
     """One line saying how this rank's result differs from the expected, or None."""
     label, total = case.label, case.expected["total"]
@@ -151,11 +137,11 @@ def _value_problem(kind, rank, n, case, got):
                         "chunk? Rank r must end with chunk r.")
         if torch.equal(got, case.expected["inputs"][rank][0][start:stop]):
             return f"rank {rank}, {label}: returned its own input for {where}: nothing was added"
-        return f"rank {rank}, {label}: wrong values for {where}: {_first_wrong(got, want, start)}"
+        return f"rank {rank}, {label}: wrong values for {where}: {describe_mismatch(got, want, start)}"
     if kind == "all_gather":
         return (f"rank {rank}, {label}: wrong gathered tensor (chunk j must come from rank j): "
-                f"{_first_wrong(got, want, 0, bounds)}")
-    return f"rank {rank}, {label}: wrong sum: {_first_wrong(got, want, 0, bounds)} (chunks as in tensor_split({n}))"
+                f"{describe_mismatch(got, want, 0, bounds)}")
+    return f"rank {rank}, {label}: wrong sum: {describe_mismatch(got, want, 0, bounds)} (chunks as in tensor_split({n}))"
 
 
 def _traffic_problems(rank, n, case, measured, expected_bytes, divisor, peers):
@@ -201,7 +187,7 @@ def _judge_collective(kind, expected_bytes, divisor, peers):
 def _call(name, args, hidden):
     """How a call reads in feedback: a random case's inputs only to two digits (they are drawn afresh anyway)."""
     names = ("n", "nbytes", "alpha", "beta") if len(args) == 4 else ("n", "alpha", "beta")
-    shown = ", ".join(f"{k}={v}" if k == "n" else f"{k}≈{v:.2g}" if hidden else f"{k}={_fmt(v)}"
+    shown = ", ".join(f"{k}={v}" if k == "n" else f"{k}≈{v:.2g}" if hidden else f"{k}={fmt(v)}"
                       for k, v in zip(names, args))
     return f"{name}({shown})" + (" (a random case)" if hidden else "")
 
