@@ -94,12 +94,13 @@ def describe(world_size: int = 4) -> None:
     backend = backend_for(world_size)
     gpus = _gpu_count()
     if backend == "nccl":
-        where = f"one CUDA GPU per rank (cuda:0 … cuda:{world_size - 1})"
+        where = "one CUDA GPU per rank (" + ("cuda:0" if world_size == 1 else f"cuda:0 … cuda:{world_size - 1}") + ")"
     elif gpus:
-        where = f"CPU ({gpus} GPU(s) found, fewer than {world_size} ranks: gloo shares them)"
+        where = (f"CPU ({gpus} GPU(s) found, fewer than {world_size} ranks: NCCL needs one per rank, so every rank "
+                 "computes on the CPU, where utils.device() puts its tensors)")
     else:
         where = "CPU (no CUDA GPU found)"
-    print(f"{world_size} ranks will use backend '{backend}' on {where}")
+    print(f"{world_size} rank{'s' if world_size != 1 else ''} will use backend '{backend}' on {where}")
 
 
 # ---------------------------------------------------------------- the public entry point
