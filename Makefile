@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lab release grade benchmarks clean
+.PHONY: install run test lab release distribution grade regrade benchmarks clean
 
 install: $(STAMP)
 
@@ -32,6 +32,12 @@ lab: install
 # make release STUDENT_REPO=https://github.com/you/course-student   (where students find the copies; INSTRUCTORS.md)
 release: install
 	$(PY) -m utils.tools.release labs --out release $(if $(STUDENT_REPO),--student-repo $(STUDENT_REPO))
+
+# make distribution DIST=../course-student STUDENT_REPO=https://github.com/you/course-student [BRANCH=main]
+# writes the students' repository: lessons, released labs, utils without the grader (INSTRUCTORS.md)
+distribution: install
+	@test -n "$(DIST)" -a -n "$(STUDENT_REPO)" || { echo "usage: make distribution DIST=<folder> STUDENT_REPO=https://github.com/OWNER/NAME [BRANCH=main]" >&2; exit 2; }
+	$(PY) -m utils.tools.distribution $(DIST) --student-repo $(STUDENT_REPO) --branch $(or $(BRANCH),main)
 
 # make grade SUBMISSIONS=submitted   (a folder of <student>/<lab>.ipynb or <student>__<lab>.ipynb)
 grade: install

@@ -175,11 +175,13 @@ def check_student_repo(url: str, branch: str = "main") -> None:
         raise ValueError(f"--branch {branch!r} is not a branch name")
 
 
-def rewrite_links(source: str, cell_type: str, lab_file: str, student_repo: str, branch: str = "main") -> str:
-    """source with this lab's Colab badge pointing at labs/<lab_file> in the student repository and (code cells)
-    COURSE_REPO = that repository."""
+def rewrite_links(source: str, cell_type: str, lab_file: str, student_repo: str, branch: str = "main",
+                  folder: str = "labs") -> str:
+    """source with this notebook's Colab badge pointing at <folder>/<lab_file> in the student repository and
+    (code cells) COURSE_REPO = that repository."""
     repo = _GITHUB_REPO.match(student_repo)
-    target = f"https://colab.research.google.com/github/{repo['owner']}/{repo['repo']}/blob/{branch}/labs/{lab_file}"
+    target = (f"https://colab.research.google.com/github/{repo['owner']}/{repo['repo']}/blob/{branch}/"
+              f"{folder}/{lab_file}")
     if cell_type == "markdown":
         return _COLAB_URL.sub(lambda m: target if m.group(0).rsplit("/", 1)[-1] == lab_file else m.group(0), source)
     if cell_type == "code":
