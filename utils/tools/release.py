@@ -195,6 +195,32 @@ def without_links(source: str) -> str:
     return _COURSE_REPO_LINE.sub("COURSE_REPO = ...", _COLAB_URL.sub("<colab>", source))
 
 
+def solution_functions(nb) -> set:
+    """The names of the functions and classes the notebook's solution cells define (what students write)."""
+    import ast
+
+    names = set()
+    for cell in nb.cells:
+        if cell.get("cell_type") == "code" and is_solution_cell(cell):
+            try:
+                tree = ast.parse(_source(cell))
+            except SyntaxError:
+                continue
+            names |= {node.name for node in tree.body
+                      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    return names
+
+
+def names_used(source: str) -> list:
+    """The names a cell's code mentions, in order of first use ([] if it does not parse)."""
+    import ast
+
+    try:
+        return list(dict.fromkeys(node.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)))
+    except SyntaxError:
+        return []
+
+
 def check_lab(nb, name: str = "lab") -> list[tuple[str, int]]:
     """Check a lab's markers and nbgrader metadata; return its parts as [(grade_id, points), ...].
 
