@@ -27,8 +27,6 @@ from utils.tools.release import check_lab, read_notebook  # noqa: E402
 CONFIG = """c = get_config()
 c.CourseDirectory.course_id = "dp-from-scratch"
 c.CourseDirectory.root = {root!r}
-c.CourseDirectory.db_assignments = [dict(name="{assignment}")]
-c.CourseDirectory.db_students = [dict(id="ada"), dict(id="blank")]
 # A lab's check cell reports a deadlock after check_timeout (30 s): nbgrader's default cell timeout (30 s) would
 # fire first. Use the lab's own cell limit.
 c.ExecutePreprocessor.timeout = {timeout}
@@ -55,8 +53,12 @@ def main(lab="lab1_collectives") -> int:
         shutil.copy(ROOT / "labs" / f"{lab}.ipynb", course / "source" / assignment / f"{lab}.ipynb")
         (course / "nbgrader_config.py").write_text(CONFIG.format(root=str(course), assignment=assignment,
                                                                  timeout=timeout))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [os.environ.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep))
+        # nbgrader runs `alembic` (installed beside it) by name: this interpreter's bin folder goes on PATH
+        env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+                   PYTHONPATH=os.pathsep.join([str(ROOT)] + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        for student in ("ada", "blank"):
+            nbgrader(course, env, "db", "student", "add", student)
+        nbgrader(course, env, "db", "assignment", "add", assignment)
         nbgrader(course, env, "generate_assignment", assignment, "--force")
         released = course / "release" / assignment / f"{lab}.ipynb"
         assert released.is_file(), "generate_assignment wrote no student copy"

@@ -162,6 +162,7 @@ def test_one_command_grades_lms_names_and_regrades_one_student(scratch):
     subs = scratch / "canvas"
     subs.mkdir()
     shutil.copy(GOOD, subs / "lovelaceada_101_5001_lab0_fixture.ipynb")
+    shutil.copy(WRONG, subs / "babbagecharles_103_5002_lab0_fixture.ipynb")   # average wrong: its part fails
     moodle = scratch / "moodle" / "Alan Turing_77_assignsubmission_file_"
     moodle.mkdir(parents=True)
     (moodle / "lab0_fixture.ipynb").write_text("{ not json")
@@ -173,6 +174,10 @@ def test_one_command_grades_lms_names_and_regrades_one_student(scratch):
     assert (book["101"]["points"], book["101"]["max"], book["101"]["status"]) == ("6", "6", "graded")
     assert (book["77"]["points"], book["77"]["status"], book["77"]["name"]) == ("0", "resubmission needed",
                                                                                   "Alan Turing")
+    assert (book["103"]["points"], book["103"]["status"]) == ("4", "graded")
+    executed = release.read_notebook(out / "executed" / "103" / "lab0_fixture.ipynb")
+    after = next(c for c in executed.cells if c.cell_type == "code" and "the average gradient" in c.source)
+    assert "[grader: not run: it calls average, whose check failed above]" in after.outputs[0]["text"]
     assert "the file is not a notebook — please resubmit" in (out / "feedback" / "77.txt").read_text()
     assert "JSONDecodeError" not in (out / "feedback" / "77.txt").read_text()
     shutil.copy(GOOD, moodle / "lab0_fixture-1.ipynb")   # the resubmission, next to the corrupt file

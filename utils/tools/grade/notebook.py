@@ -106,7 +106,7 @@ def run_one(notebook, result_path, executed_path, cell_timeout, max_output, sock
                     meta = nbgrader_meta(cell)
                     calls_failed = [n for n in names_used(cell.source) if n in failed]
                     if calls_failed and not meta.get("grade") and not meta.get("solution"):
-                        message = (f"not run by the grader: it calls {', '.join(calls_failed)}, whose check failed "
+                        message = (f"not run: it calls {', '.join(calls_failed)}, whose check failed "
                                    "above")
                         cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"[grader: {message}]\n")]
                         results["cells"][str(index)] = {"status": "skipped", "message": message}
