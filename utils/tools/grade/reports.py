@@ -190,6 +190,8 @@ def _check_line(passed: bool, check) -> str:
         return "" if not passed else "your notebook's check cell did not run; the verdict judged the part anyway"
     status, message = check
     first = plain(message).splitlines()[0] if message else ""
+    if status == "timeout":  # say which of the student's functions never returned, whatever the verdict
+        return f"your notebook's check cell stopped at its time limit: {first[:300]}"
     if status == "ok" and not passed:
         return ("your notebook's check cell passed, but the verdict did not: it runs only the lab's cells and "
                 "your solution cells, on fresh inputs")
