@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lab release grade benchmarks clean
+.PHONY: install run test lab release distribution grade regrade benchmarks clean
 
 install: $(STAMP)
 
@@ -33,10 +33,22 @@ lab: install
 release: install
 	$(PY) -m utils.tools.release labs --out release $(if $(STUDENT_REPO),--student-repo $(STUDENT_REPO))
 
-# make grade SUBMISSIONS=submitted   (a folder of <student>/<lab>.ipynb or <student>__<lab>.ipynb)
+# make distribution DIST=../course-student STUDENT_REPO=https://github.com/you/course-student [BRANCH=main]
+# writes the students' repository: lessons, released labs, utils without the grader (INSTRUCTORS.md)
+distribution: install
+	@test -n "$(DIST)" -a -n "$(STUDENT_REPO)" || { echo "usage: make distribution DIST=<folder> STUDENT_REPO=https://github.com/OWNER/NAME [BRANCH=main]" >&2; exit 2; }
+	$(PY) -m utils.tools.distribution $(DIST) --student-repo $(STUDENT_REPO) --branch $(or $(BRANCH),main)
+
+# make grade SUBMISSIONS=submitted [ROSTER=roster.csv]   (layouts, Canvas and Moodle exports: INSTRUCTORS.md)
 grade: install
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=<folder of submitted notebooks>" >&2; exit 2; }
-	$(PY) -m utils.tools.grade $(SUBMISSIONS) --out build/grades
+	$(PY) -m utils.tools.grade $(SUBMISSIONS) --out build/grades $(if $(ROSTER),--roster $(ROSTER))
+
+# make regrade SUBMISSIONS="submitted/Alan Turing_77_assignsubmission_file_"   (one student's file or folder: their
+# rows and feedback in build/grades are replaced, everyone else's kept)
+regrade: install
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make regrade SUBMISSIONS=<one student's file or folder>" >&2; exit 2; }
+	$(PY) -m utils.tools.grade "$(SUBMISSIONS)" --out build/grades --merge $(if $(ROSTER),--roster $(ROSTER))
 
 benchmarks: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

@@ -175,11 +175,13 @@ def check_student_repo(url: str, branch: str = "main") -> None:
         raise ValueError(f"--branch {branch!r} is not a branch name")
 
 
-def rewrite_links(source: str, cell_type: str, lab_file: str, student_repo: str, branch: str = "main") -> str:
-    """source with this lab's Colab badge pointing at labs/<lab_file> in the student repository and (code cells)
-    COURSE_REPO = that repository."""
+def rewrite_links(source: str, cell_type: str, lab_file: str, student_repo: str, branch: str = "main",
+                  folder: str = "labs") -> str:
+    """source with this notebook's Colab badge pointing at <folder>/<lab_file> in the student repository and
+    (code cells) COURSE_REPO = that repository."""
     repo = _GITHUB_REPO.match(student_repo)
-    target = f"https://colab.research.google.com/github/{repo['owner']}/{repo['repo']}/blob/{branch}/labs/{lab_file}"
+    target = (f"https://colab.research.google.com/github/{repo['owner']}/{repo['repo']}/blob/{branch}/"
+              f"{folder}/{lab_file}")
     if cell_type == "markdown":
         return _COLAB_URL.sub(lambda m: target if m.group(0).rsplit("/", 1)[-1] == lab_file else m.group(0), source)
     if cell_type == "code":
@@ -191,6 +193,32 @@ def rewrite_links(source: str, cell_type: str, lab_file: str, student_repo: str,
 def without_links(source: str) -> str:
     """source with the links rewrite_links changes blanked: for telling a released cell from the reference's."""
     return _COURSE_REPO_LINE.sub("COURSE_REPO = ...", _COLAB_URL.sub("<colab>", source))
+
+
+def solution_functions(nb) -> set:
+    """The names of the functions and classes the notebook's solution cells define (what students write)."""
+    import ast
+
+    names = set()
+    for cell in nb.cells:
+        if cell.get("cell_type") == "code" and is_solution_cell(cell):
+            try:
+                tree = ast.parse(_source(cell))
+            except SyntaxError:
+                continue
+            names |= {node.name for node in tree.body
+                      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    return names
+
+
+def names_used(source: str) -> list:
+    """The names a cell's code mentions, in order of first use ([] if it does not parse)."""
+    import ast
+
+    try:
+        return list(dict.fromkeys(node.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)))
+    except SyntaxError:
+        return []
 
 
 def check_lab(nb, name: str = "lab") -> list[tuple[str, int]]:

@@ -17,8 +17,10 @@ For each submission (layouts: utils/tools/grade/submissions.py) the grader
      student sees their notebook's own check messages and the instructor gets the executed copy;
   4. kills every process either run started, on every path, and removes its private folder (TMPDIR inside).
 
-Outputs in --out (reports.py): grades.csv (student, lab, part, points, max), summary.csv (one line per
-submission), feedback/<student>.txt, executed/<student>/<lab>.ipynb, logs/.
+Outputs in --out (reports.py): gradebook.csv (one row per student, for an LMS), grades.csv (student, lab, part,
+points, max), summary.csv (one line per submission), feedback/<student>.txt, executed/<student>/<lab>.ipynb, logs/.
+`--merge` regrades: only the submissions graded now are replaced. Submissions may come as Canvas or Moodle name them,
+or as a .zip export (submissions.py); `--roster` names the students.
 
 Defences are against cheating in Python (rebinding or patching the checks, patching torch, forged objects,
 searching for fixed seeds). What a verdict process measures about itself (bytes sent, messages, "point-to-point
@@ -31,7 +33,7 @@ _EXPORTS = {
             "Job", "grade", "main", "print_parts"],
     "preparation": ["Prepared", "prepare"],
     "processes": ["kill_tree"],
-    "reports": ["Outcome", "feedback_text", "write_reports"],
+    "reports": ["Outcome", "feedback_text", "gradebook_rows", "read_roster", "write_reports"],
     "submissions": ["Lab", "Submission", "find_submissions", "is_definition_cell", "load_labs"],
 }
 __all__ = [name for names in _EXPORTS.values() for name in names]

@@ -127,7 +127,7 @@ class Pool:
                 seconds = max(STARTUP_TIMEOUT, self.task_timeout) if hang_hint else self.task_timeout
                 if hang_hint:
                     raise PoolFailure(f"no result after {seconds:g} s while {doing}: {hang_hint}") from None
-                if self.size == 1:
+                if len(ranks) == 1:
                     raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: an endless loop, "
                                       "or a call that waits forever?") from None
                 raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: likely a deadlock "
@@ -269,20 +269,19 @@ def judge_on_ranks(grade_id, spec: OnRanks, pool_for, rng, counter, task_timeout
 
 
 def judge_in_process(grade_id, spec: InProcess, pool_for, rng):
-    cases = spec.cases(rng)
-    frames = {0: ({"part": grade_id, "world_size": 0, "rank": 0, "prefix": "", "timeout": 0,
-                   "cases": [{"params": c.params, "tensors": []} for c in cases]}, b"")}
-    try:
-        replies = pool_for(1).run(frames, f"running {spec.what}")
-    except PoolFailure as failure:
-        pool_for(None)
-        return False, f"✗ {spec.what}: {failure}"
-    results = _results(replies[0][0].get("cases"), len(cases), on_ranks=False)
-    for case, result in zip(cases, results):
-        if result.error:
-            problems = [_error_line(case.label, result.error, case.label)]
-        else:
-            problems = spec.judge(case, result)
+    """Each case in its own task, so a hang names the student's function that was running (the case's
+    params["function"], where the verdict module names one)."""
+    for case in spec.cases(rng):
+        frames = {0: ({"part": grade_id, "world_size": 0, "rank": 0, "prefix": "", "timeout": 0,
+                       "cases": [{"params": case.params, "tensors": []}]}, b"")}
+        function = case.params.get("function") if isinstance(case.params, dict) else None
+        try:
+            replies = pool_for(1).run(frames, f"running {function if isinstance(function, str) else spec.what}")
+        except PoolFailure as failure:
+            pool_for(None)
+            return False, f"✗ {spec.what}: {failure}"
+        result = _results(replies[0][0].get("cases"), 1, on_ranks=False)[0]
+        problems = [_error_line(case.label, result.error, case.label)] if result.error else spec.judge(case, result)
         if problems:
             return _failed(spec.what, problems)
     return True, f"✓ {spec.what}: {spec.summary}"

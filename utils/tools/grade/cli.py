@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..release import LabFormatError, nbgrader_meta, read_notebook, write_notebook
+from ..release import LabFormatError, names_used, nbgrader_meta, read_notebook, solution_functions, write_notebook
 from . import __doc__ as PACKAGE_DOC  # noqa: N812
 from .preparation import prepare
 from .processes import (REPO_ROOT, child_environment, exit_on_signals, kill_tree, make_undumpable,
@@ -30,10 +30,19 @@ VERDICT_BYTES = 4 << 20          # bytes of the checker's answer read at most
 
 @dataclass
 class Limits:
-    timeout: float = DEFAULT_TIMEOUT
-    cell_timeout: float = DEFAULT_CELL_TIMEOUT
-    verdict_timeout: float = DEFAULT_VERDICT_TIMEOUT
+    """A field set to None takes the lab's own limit (its verdict module's LIMITS or its notebook's "grading"
+    metadata: submissions.lab_limits), else the default above."""
+    timeout: float | None = DEFAULT_TIMEOUT
+    cell_timeout: float | None = DEFAULT_CELL_TIMEOUT
+    verdict_timeout: float | None = DEFAULT_VERDICT_TIMEOUT
     max_output: int = DEFAULT_MAX_OUTPUT
+
+    def for_lab(self, lab) -> "Limits":
+        own = getattr(lab, "limits", {}) or {}
+        defaults = {"timeout": DEFAULT_TIMEOUT, "cell_timeout": DEFAULT_CELL_TIMEOUT,
+                    "verdict_timeout": DEFAULT_VERDICT_TIMEOUT}
+        return Limits(**{name: getattr(self, name) if getattr(self, name) is not None else own.get(name, default)
+                         for name, default in defaults.items()}, max_output=self.max_output)
 
 
 class _Child:
@@ -95,8 +104,12 @@ class Job:
     (two child processes, one after the other, each in its own session, each within `timeout`)."""
 
     def __init__(self, submission, lab, out_dir, limits: Limits):
-        self.submission, self.lab, self.out_dir, self.limits = submission, lab, Path(out_dir), limits
-        self.outcome = Outcome(submission.student, lab.name, submission.path, lab_note=lab.note)
+        self.submission, self.lab, self.out_dir, self.limits = submission, lab, Path(out_dir), limits.for_lab(lab)
+        self.outcome = Outcome(submission.student, lab.name, submission.path, lab_note=lab.note,
+                               name=getattr(submission, "name", ""), lms_id=getattr(submission, "lms_id", ""),
+                               late=getattr(submission, "late", False))
+        if getattr(submission, "note", ""):
+            self.outcome.notes.append(submission.note)
         self.start, self.started_at = time.monotonic(), time.time()
         self.tmp = short_temporary_folder("grade-")
         self.work, self.private, self.temp, self.judging = (self.tmp / n for n in ("work", "grader", "tmp", "verdicts"))
@@ -110,7 +123,10 @@ class Job:
             self.prepared = prepare(read_notebook(submission.path), lab)
         except Exception as error:
             self.outcome.status, self.outcome.verdicts, self.phase = "unreadable", "not run", "done"
-            self.outcome.notes.append(f"could not read the notebook: {type(error).__name__}: {error}"[:500])
+            too_big = submission.path.exists() and submission.path.stat().st_size > MAX_NOTEBOOK_BYTES
+            self.outcome.notes.append(f"the file is larger than {MAX_NOTEBOOK_BYTES >> 20} MiB — please resubmit"
+                                      if too_big else "the file is not a notebook — please resubmit")
+            self.log.add(f"[grader: could not read the notebook: {type(error).__name__}: {error}]\n"[:500].encode())
             return
         self.outcome.notes.extend(self.prepared.notes)
         try:
@@ -214,7 +230,12 @@ class Job:
             for index, cell in enumerate(self.prepared.notebook.cells):
                 grade_id = nbgrader_meta(cell).get("grade_id")
                 if grade_id and str(index) in results:
-                    outcome.checks[grade_id] = (results[str(index)]["status"], results[str(index)]["message"])
+                    status, message = results[str(index)]["status"], results[str(index)]["message"]
+                    if status == "timeout":
+                        running = student_functions_called(cell.source, self.prepared.notebook)
+                        if running:
+                            message += f" (it was running your {', '.join(running)})"
+                    outcome.checks[grade_id] = (status, message)
         name = f"{safe_name(outcome.student)}/{safe_name(outcome.lab)}"
         executed = self.private / "executed.ipynb"
         if executed.exists():
@@ -247,6 +268,12 @@ class Job:
             else:
                 scores.append((grade_id, 0, points, reason))
         return scores
+
+
+def student_functions_called(source: str, notebook) -> list:
+    """The names of the notebook's solution-cell functions (and classes) that `source` mentions, in order."""
+    defined = solution_functions(notebook)
+    return [name for name in names_used(source) if name in defined]
 
 
 # ------------------------------------------------------------------ grading many
@@ -307,19 +334,26 @@ def main(argv=None) -> int:
     parser.add_argument("--verdicts", default=None,
                         help="folder of the labs' verdict modules (default: utils/tools/grade/verdicts)")
     parser.add_argument("--student", default=None, help="owner of files not named <student>__<lab>.ipynb")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                        help="seconds for each of a submission's two runs, verdicts and notebook (default 600)")
-    parser.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT,
-                        help="seconds per notebook cell (default 300)")
-    parser.add_argument("--verdict-timeout", type=float, default=DEFAULT_VERDICT_TIMEOUT,
-                        help="seconds per verdict step, one part at one world size (default 60)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds for each of a submission's two runs, verdicts and notebook (default: the lab's "
+                             "own limit, else 600)")
+    parser.add_argument("--cell-timeout", type=float, default=None,
+                        help="seconds per notebook cell (default: the lab's own limit, else 300)")
+    parser.add_argument("--verdict-timeout", type=float, default=None,
+                        help="seconds per verdict step, one part at one world size (default: the lab's own limit, "
+                             "else 60)")
     parser.add_argument("--max-output", type=int, default=DEFAULT_MAX_OUTPUT,
                         help="bytes a notebook cell may print (default 1 MiB)")
     parser.add_argument("--jobs", type=int, default=1, help="submissions graded at once (default 1)")
     parser.add_argument("--parts", action="store_true", help="list the labs' parts and points, grade nothing")
+    parser.add_argument("--merge", action="store_true",
+                        help="regrade: replace only these submissions' rows in --out's gradebook, keep everyone else's "
+                             "rows and feedback")
+    parser.add_argument("--roster", default=None,
+                        help="CSV of id, name, email (ids as the LMS names them) for the gradebook")
     args = parser.parse_args(argv)
     for name in ("timeout", "cell_timeout", "verdict_timeout", "max_output", "jobs"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
 
     labs_dir = Path(args.labs) if args.labs else (Path("labs") if Path("labs").is_dir() else REPO_ROOT / "labs")
@@ -342,15 +376,29 @@ def main(argv=None) -> int:
         parser.error("give a folder of submissions (make grade SUBMISSIONS=dir)")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out} exists and is not a folder")
-    submissions, problems = find_submissions(args.submissions, labs, args.student)
+    if args.roster and not Path(args.roster).is_file():
+        parser.error(f"--roster {args.roster} is not a file")
+    unpacked = short_temporary_folder("grade-archives-")  # .zip exports are unpacked here, removed at the end
+    try:
+        return _grade_found(args, labs, labs_dir, unpacked)
+    finally:
+        shutil.rmtree(unpacked, ignore_errors=True)
+
+
+def _grade_found(args, labs, labs_dir, unpacked) -> int:
+    from .reports import read_roster
+
+    submissions, problems = find_submissions(args.submissions, labs, args.student, unpack_into=unpacked)
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
     if not submissions:
         print("no submissions to grade", file=sys.stderr)
         return 1
     limits = Limits(args.timeout, args.cell_timeout, args.verdict_timeout, args.max_output)
-    print(f"grading {len(submissions)} submissions against {labs_dir} (limits: {args.timeout:g} s per run, "
-          f"{args.cell_timeout:g} s per cell, {args.verdict_timeout:g} s per verdict step)")
+    for name in sorted({s.lab for s in submissions}):
+        own = limits.for_lab(labs[name])
+        print(f"grading {sum(s.lab == name for s in submissions)} submissions of {name} against {labs_dir} (limits: "
+              f"{own.timeout:g} s per run, {own.cell_timeout:g} s per cell, {own.verdict_timeout:g} s per verdict step)")
     make_undumpable()  # the processes running student code are our descendants: keep them out of our memory
     exit_on_signals()  # SIGTERM and SIGHUP clean up like Ctrl-C
     try:
@@ -358,6 +406,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("grading interrupted: every process it started is stopped; no reports written", file=sys.stderr)
         return 130
-    write_reports(outcomes, args.out, problems)
-    print(f"wrote {Path(args.out) / 'grades.csv'}, summary.csv, feedback/ ({len(outcomes)} submissions)")
+    write_reports(outcomes, args.out, problems, merge=args.merge,
+                  roster=read_roster(args.roster) if args.roster else None)
+    print(f"wrote {Path(args.out) / 'gradebook.csv'}, grades.csv, summary.csv, feedback/ ({len(outcomes)} submissions"
+          f"{', merged into the previous reports' if args.merge else ''})")
     return 0

@@ -7,7 +7,10 @@ Started by the grader in its own session, with the submission's folder as workin
 private. The kernel's channels are IPC sockets in DIR (utils/tools/kernels.py). Points never come from here:
 this run gives the student their notebook's own check messages, and the instructor the executed copy.
 
-R.json: {"cells": {"<index>": {"status": ok|error|timeout|output-limit|crashed, "message"}}, "kernel_pid",
+Once a graded test cell fails, a later ungraded cell that calls a function the failed cell checked is not run (its
+output says so): a plot of an endless `ring_time` would otherwise cost another cell timeout.
+
+R.json: {"cells": {"<index>": {"status": ok|error|timeout|output-limit|crashed|skipped, "message"}}, "kernel_pid",
 "kernel_died_in_cell", "finished"}, rewritten after every cell so a killed run still reports the cells it
 finished.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 import nbformat
 
 from ..kernels import ipc_kernel_manager_class
-from ..release import read_notebook, write_notebook
+from ..release import names_used, nbgrader_meta, read_notebook, solution_functions, write_notebook
 from .processes import become_subreaper, die_with_parent, exit_on_signals, kill_descendants
 
 TIMEOUT_ENAME = "CellTimeout"
@@ -96,8 +99,18 @@ def run_one(notebook, result_path, executed_path, cell_timeout, max_output, sock
             with client.setup_kernel():
                 results["kernel_pid"] = getattr(client.km.provisioner, "pid", None)
                 save()
+                theirs, failed = solution_functions(nb), set()
                 for index, cell in enumerate(nb.cells):
                     if cell.cell_type != "code":
+                        continue
+                    meta = nbgrader_meta(cell)
+                    calls_failed = [n for n in names_used(cell.source) if n in failed]
+                    if calls_failed and not meta.get("grade") and not meta.get("solution"):
+                        message = (f"not run: it calls {', '.join(calls_failed)}, whose check failed "
+                                   "above")
+                        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"[grader: {message}]\n")]
+                        results["cells"][str(index)] = {"status": "skipped", "message": message}
+                        save()
                         continue
                     client.printed, client.over, client.last_reply = 0, False, None
                     try:
@@ -110,6 +123,8 @@ def run_one(notebook, result_path, executed_path, cell_timeout, max_output, sock
                         save()
                         break
                     results["cells"][str(index)] = cell_result(cell, client.last_reply, client.over, max_output)
+                    if meta.get("grade") and results["cells"][str(index)]["status"] != "ok":
+                        failed |= {n for n in names_used(cell.source) if n in theirs}
                     save()
             results["finished"] = results["kernel_died_in_cell"] is None
         finally:

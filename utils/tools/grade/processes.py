@@ -41,6 +41,23 @@ def session_of(pid):
         return None
 
 
+def _freeze_and_kill(procs) -> None:
+    """SIGSTOP every process first (so none restarts what we kill), then SIGKILL them all and wait up to 5 s."""
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGSTOP)
+        except psutil.Error:
+            pass
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
 def kill_tree(pid: int, alive: bool, sessions=(), since: float = 0.0) -> None:
     """SIGKILL a process, its descendants, and every process in a session one of them leads.
 
@@ -68,17 +85,7 @@ def kill_tree(pid: int, alive: bool, sessions=(), since: float = 0.0) -> None:
         procs = [p for p in procs if p.pid != me]
         if not procs:
             return
-        for proc in procs:
-            try:
-                proc.send_signal(signal.SIGSTOP)  # freeze first, so nothing restarts what we kill
-            except psutil.Error:
-                pass
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=5)
+        _freeze_and_kill(procs)
         alive = False  # the root is gone now; later rounds sweep sessions only
 
 
@@ -93,17 +100,7 @@ def kill_descendants() -> None:
             return
         if not children:
             return
-        for child in children:
-            try:
-                child.send_signal(signal.SIGSTOP)
-            except psutil.Error:
-                pass
-        for child in children:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(children, timeout=5)
+        _freeze_and_kill(children)
 
 
 def become_subreaper() -> None:

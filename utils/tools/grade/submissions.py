@@ -5,12 +5,22 @@ SUBMISSIONS is a folder (or notebook files) laid out in either way, mixed freely
     SUBMISSIONS/<student>__<lab>.ipynb       e.g. submitted/ada__lab1_collectives.ipynb
 Deeper folders (nbgrader's submitted/<student>/<assignment>/<lab>.ipynb) count the first folder as the
 student. A file whose name is not a lab's name (e.g. "lab1_collectives (1).ipynb") is matched to the lab
-whose grade_ids it carries.
+whose grade_ids it carries. LMS exports are recognised as they come (the student is the LMS's id):
+    Canvas   SUBMISSIONS/<lastnamefirstname>[_late]_<user id>_<submission id>_<file>.ipynb   (flat; a re-upload
+             of the same name is <file>-1.ipynb; "_late" marks a late file; the user id is not the SIS id)
+    Moodle   SUBMISSIONS/<Full Name>_<participant id>_assignsubmission_file_/<file>.ipynb   ("Participant <id>"
+             in Moodle's grading worksheet)
+A .zip export can be given as it is: it is unpacked, and its entries' order and dates say which file is newer.
+When a student has two files for a lab, the newest is graded: by Canvas's submission id, then the archive's
+entry date and order, then a re-upload suffix ("-1", " (1)"); never by file times (unzipping does not keep
+them). The report says which file was taken.
 """
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+import re
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
@@ -31,6 +41,7 @@ class Lab:
     parts: list
     verdicts: Path   # the lab's verdict module (utils/tools/grade/verdicts/<name>.py)
     note: str = ""   # the verdict module's NOTE, for every feedback
+    limits: dict = field(default_factory=dict)   # the lab's own time limits (lab_limits), in seconds
 
     @property
     def max_points(self):
@@ -65,6 +76,22 @@ def is_definition_cell(cell) -> bool:
     return True
 
 
+LIMIT_NAMES = ("timeout", "cell_timeout", "verdict_timeout")
+
+
+def lab_limits(nb, module=None) -> dict:
+    """A lab's own time limits: the verdict module's LIMITS, overridden by the notebook's metadata
+    {"grading": {"timeout": s, "cell_timeout": s, "verdict_timeout": s}}; only positive numbers count.
+    The grader's command-line options override both."""
+    limits = {}
+    for source in (getattr(module, "LIMITS", None) or {}, nb.metadata.get("grading", {}) or {}):
+        for name in LIMIT_NAMES:
+            value = source.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                limits[name] = float(value)
+    return limits
+
+
 def load_labs(labs_dir, verdicts_dir=None) -> dict:
     """Every reference lab in labs_dir by name (the file stem), with its verdicts.
 
@@ -76,7 +103,7 @@ def load_labs(labs_dir, verdicts_dir=None) -> dict:
         parts = check_lab(nb, path.name)
         module = verdicts.load(path.stem, [grade_id for grade_id, _ in parts], verdicts_dir)
         labs[path.stem] = Lab(path.stem, path, nb, parts, verdicts.module_path(path.stem, verdicts_dir),
-                              str(getattr(module, "NOTE", "")))
+                              str(getattr(module, "NOTE", "")), lab_limits(nb, module))
     return labs
 
 
@@ -85,6 +112,47 @@ class Submission:
     student: str
     lab: str | None     # None: no lab matched
     path: Path
+    name: str = ""      # the student's name as the LMS wrote it (Canvas: lastnamefirstname; Moodle: Full Name)
+    lms: str = ""       # "canvas", "moodle" or "" (the course's own layouts, nbgrader's)
+    late: bool = False  # Canvas marked the file late
+    order: tuple = field(default_factory=tuple)   # larger is newer (see the module docstring)
+    note: str = ""      # which of several files was taken, and why
+
+    @property
+    def lms_id(self) -> str:
+        """The id the LMS's grade import matches: Moodle's "Participant <id>", Canvas's user id."""
+        return f"Participant {self.student}" if self.lms == "moodle" else self.student if self.lms else ""
+
+
+_CANVAS = re.compile(r"^(?P<name>[a-z0-9-]+?)(?P<late>_late)?_(?P<user>\d+)_(?P<sub>\d+)_(?P<file>.+)$")
+_MOODLE = re.compile(r"^(?P<name>.+)_(?P<participant>\d+)_assignsubmission_(?:file|onlinetext)_?$")
+_REUPLOAD = re.compile(r"^(?P<stem>.+?)(?:-(?P<dash>\d+)| \((?P<paren>\d+)\))$")
+
+
+def _reupload(stem: str) -> tuple[str, int]:
+    """(the file's name without a re-upload suffix, the suffix's number: 0 for none)."""
+    match = _REUPLOAD.match(stem)
+    if not match:
+        return stem, 0
+    return match["stem"], int(match["dash"] or match["paren"])
+
+
+def unpack(archive, folder) -> dict:
+    """Unpack a .zip export into folder; return {path: (date, entry number)} of every file, for telling which
+    of two files is newer (the files' own times are not kept). Entries that would land outside folder are
+    skipped."""
+    folder = Path(folder).resolve()
+    order = {}
+    with zipfile.ZipFile(archive) as zf:
+        for number, info in enumerate(zf.infolist()):
+            target = (folder / info.filename).resolve()
+            if info.is_dir() or folder not in target.parents:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as source:
+                target.write_bytes(source.read(MAX_NOTEBOOK_BYTES + 1))
+            order[target] = (info.date_time, number)
+    return order
 
 
 def _grade_ids(path) -> set:
@@ -107,51 +175,90 @@ def _match_lab(stem: str, path: Path, labs: dict) -> str | None:
     return winners[0] if best > 0 and len(winners) == 1 else None
 
 
-def find_submissions(paths, labs: dict, student: str | None = None) -> tuple[list, list]:
-    """Submissions found under paths (folders or .ipynb files), and problems to report.
+def _owner(relative: Path, path: Path, student: str | None, base: Path | None = None):
+    """Submission fields (student, stem, name, lms, late, order) from where a file lies, or None. A Moodle
+    student's folder given itself (base) counts like that folder inside SUBMISSIONS."""
+    if base is not None and len(relative.parts) == 1 and _MOODLE.match(base.name):
+        relative = Path(base.name) / relative
+    first, stem = relative.parts[0], path.stem
+    if len(relative.parts) > 1:
+        moodle = _MOODLE.match(first)
+        if moodle:
+            base, again = _reupload(stem)
+            return dict(student=moodle["participant"], stem=base, name=moodle["name"], lms="moodle", order=(again,))
+        return dict(student=first, stem=stem, order=(_reupload(stem)[1],))
+    canvas = _CANVAS.match(stem)
+    if canvas:
+        base, again = _reupload(canvas["file"])
+        return dict(student=canvas["user"], stem=base, name=canvas["name"], lms="canvas", late=bool(canvas["late"]),
+                    order=(int(canvas["sub"]), again))
+    if "__" in stem:
+        owner, stem = stem.rsplit("__", 1)
+        return dict(student=owner, stem=stem, order=(_reupload(stem)[1],))
+    if student:
+        return dict(student=student, stem=stem, order=(_reupload(stem)[1],))
+    return None
 
-    A file right inside a given folder (or given itself) must be named <student>__<lab>.ipynb unless
-    `student` names its owner (e.g. student="reference" to grade the reference labs themselves).
+
+def find_submissions(paths, labs: dict, student: str | None = None, unpack_into=None) -> tuple[list, list]:
+    """Submissions found under paths (folders, .ipynb files, or .zip exports), and problems to report.
+
+    A file right inside a given folder (or given itself) must be named <student>__<lab>.ipynb or as Canvas
+    names it, unless `student` names its owner (e.g. student="reference" to grade the reference labs
+    themselves). A .zip is unpacked into a new folder inside `unpack_into` (required for archives).
     """
     found, problems = [], []
     for root in map(Path, paths):
+        archive_order = {}
+        if root.is_file() and root.suffix == ".zip":
+            if unpack_into is None:
+                problems.append(f"{root}: archives need a folder to unpack into")
+                continue
+            folder = Path(unpack_into) / f"{len(list(Path(unpack_into).iterdir()))}-{root.stem}"
+            try:
+                archive_order = unpack(root, folder)
+            except (zipfile.BadZipFile, OSError) as error:
+                problems.append(f"{root}: not a readable .zip ({error})")
+                continue
+            root = folder
         if root.is_file():
             files, base = [root], root.parent
         elif root.is_dir():
             files = sorted(p for p in root.rglob("*.ipynb")
-                           if ".ipynb_checkpoints" not in p.parts and not p.name.startswith("."))
+                           if ".ipynb_checkpoints" not in p.parts and not p.name.startswith(".")
+                           and "__MACOSX" not in p.parts)
             base = root
         else:
             problems.append(f"{root}: no such file or folder")
             continue
         for path in files:
-            relative = path.relative_to(base)
-            if len(relative.parts) > 1:
-                owner, stem = relative.parts[0], path.stem
-            elif "__" in path.stem:
-                owner, stem = path.stem.rsplit("__", 1)
-            elif student:
-                owner, stem = student, path.stem
-            else:
+            owner = _owner(path.relative_to(base), path, student, base)
+            if owner is None:
                 problems.append(f"{path}: cannot tell the student; name it <student>__<lab>.ipynb, "
                                 "put it in a <student>/ folder, or pass --student")
                 continue
-            found.append(Submission(owner, _match_lab(stem, path, labs), path))
+            stem, order = owner.pop("stem"), owner.pop("order")
+            entry = archive_order.get(path.resolve())
+            # newest first by the LMS's id, then the archive entry (date, position), then a re-upload suffix
+            order = (order[:-1] + ((entry,) if entry else ((),)) + order[-1:])
+            found.append(Submission(lab=_match_lab(stem, path, labs), path=path, order=order, **owner))
     graded, seen = [], {}
     for sub in found:
         if sub.lab is None:
             problems.append(f"{sub.path}: does not match any lab ({', '.join(labs)}); not graded")
             continue
-        key = (sub.student, sub.lab)
-        if key in seen:  # keep the file named exactly like the lab, else the first in sorted order
-            kept = seen[key]
-            if sub.path.stem == sub.lab and kept.path.stem != sub.lab:
-                graded[graded.index(kept)] = sub
-                kept, sub = sub, kept
-                seen[key] = kept
-            problems.append(f"{sub.path}: a second submission of {sub.lab} by {sub.student}; "
-                            f"graded {kept.path.name} instead")
-            continue
-        seen[key] = sub
-        graded.append(sub)
+        seen.setdefault((sub.student, sub.lab), []).append(sub)
+    for key, subs in seen.items():
+        # sorted() is stable: files that tie keep their found (name) order, and the last one is taken
+        ranked = sorted(subs, key=lambda s: (len(s.order), s.order))
+        kept = ranked[-1]
+        if len(subs) > 1:
+            tie = ranked[-2].order == kept.order
+            why = ("could not tell which is newest (no LMS id, archive date or re-upload suffix differs): "
+                   "took the last by name" if tie else "the newest")
+            others = ", ".join(s.path.name for s in ranked[:-1])
+            kept.note = f"graded {kept.path.name}, {why}, of {len(subs)} files for {kept.lab} (not graded: {others})"
+            problems.append(f"{kept.student}: {kept.note}")
+        graded.append(kept)
+    graded.sort(key=lambda s: found.index(s))
     return graded, problems

@@ -5,6 +5,7 @@ Points come only from these verdicts. Each lab has a verdict module, `verdicts/<
 
     PARTS = {grade_id: OnRanks(...) or InProcess(...), ...}    one entry per graded test cell of the lab
     NOTE = "..."                                               optional: a line every student's feedback carries
+    LIMITS = {"timeout": s, "cell_timeout": s, "verdict_timeout": s}   optional: the lab's own time limits
 
 The checker (utils/tools/grade/checker.py) runs no student code itself. It starts processes that run the
 lab's definition cells (imports, helper functions) and the submission's solution cells, draws each case's

@@ -1,0 +1,150 @@
+"""The student distribution (utils/tools/distribution.py): exactly the files students need, links to the
+student repository, and no solution text, hidden test or reference formula anywhere in it."""
+import copy
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from utils.tools import distribution, release
+from utils.tools.grade.preparation import prepare
+from utils.tools.grade.submissions import Lab
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO, BRANCH = "https://github.com/acme/dp-student", "fall26"
+
+# Each lab's distinctive solution lines (stripped): none may appear anywhere in the distribution. Lines a lesson
+# rightly teaches (lesson 03's ring, lesson 04's hooks) are not distinctive and are left out.
+DISTINCTIVE = {
+    "lab1_collectives": [
+        "outgoing, incoming = chunks[(rank - 1 - step) % n], chunks[(rank - 2 - step) % n]",
+        "outgoing, incoming = pieces[(rank - step) % n], pieces[(rank - step - 1) % n]",
+        "pieces[rank].copy_(chunk)",
+        "return 2 * position + 1 if position < extra else position + extra",
+        "keep, give = ((lo, mid), (mid, hi)) if me & distance == 0 else ((mid, hi), (lo, mid))",
+        "other = (hi, outer_hi) if lo == outer_lo else (outer_lo, lo)",
+        "return 2 * (n - 1) * (alpha + nbytes / n * beta)",
+        "time = 2 * steps * alpha + 2 * (p - 1) / p * nbytes * beta",
+        "latency_saved = (ring_time(n, 0, 1, 0) - halving_doubling_time(n, 0, 1, 0)) * alpha",
+        "bandwidth_lost = (halving_doubling_time(n, 1, 0, 1) - ring_time(n, 1, 0, 1)) * beta",
+    ],
+    "lab2_ddp": [
+        "self.filled_bytes += param.grad.numel() * param.grad.element_size()",
+        "if self.filled_bytes >= self.cap_bytes or self.ready == len(self.params):",
+        "flat = torch.cat([g.flatten() for g in grads]).div_(self.world_size)",
+        "self.in_flight.append((work, flat, grads))",
+    ],
+    "lab3_sharded_optimizer": [
+        "owner = min(range(self.world_size), key=lambda r: self.loads[r])",
+        "self.loads[owner] += p.numel() if p.requires_grad else 0",
+        'self.shard = self.optimizer_cls([{**options, "params": mine}], **self.kwargs)',
+        'shard_group.update({k: v for k, v in group.items() if k != "params"})',
+        "dist.broadcast(p.detach(), src=self.owner[p])",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def dist():
+    with tempfile.TemporaryDirectory(prefix="test-distribution-") as folder:
+        out = Path(folder) / "student"
+        (out / ".git").mkdir(parents=True)           # a clone being refreshed: .git stays, the rest is replaced
+        (out / "stale.txt").write_text("from an older distribution")
+        distribution.write_distribution(out, REPO, BRANCH)
+        yield out
+
+
+def texts(root):
+    """{relative path: text} of every file; a notebook's text is its cells' sources and outputs."""
+    found = {}
+    for path in root.rglob("*"):
+        if path.is_file() and ".git" not in path.relative_to(root).parts:
+            text = path.read_text()
+            if path.suffix == ".ipynb":
+                nb = json.loads(text)
+                text = "\n".join("".join(c["source"]) + "\n" + json.dumps(c.get("outputs", [])) for c in nb["cells"])
+            found[path.relative_to(root).as_posix()] = text
+    return found
+
+
+def test_the_distribution_holds_what_students_need_and_nothing_else(dist):
+    top = {p.name for p in dist.iterdir()}
+    assert top == {".git", "README.md", "pyproject.toml", "environment.yml", "lessons", "labs", "utils"}
+    files = set(texts(dist))
+    assert {f"lessons/{p.name}" for p in (ROOT / "lessons").glob("*.ipynb")} <= files
+    assert {f"labs/{p.name}" for p in (ROOT / "labs").glob("*.ipynb")} <= files
+    assert "utils/labchecks/lab1.py" in files and "utils/__init__.py" in files
+    assert not [f for f in files if f.startswith("utils/tools/grade") or f.endswith(("release.py", "reference.py"))]
+    readme = re.search(r'^readme\s*=\s*"([^"]+)"', (dist / "pyproject.toml").read_text(), re.M)[1]
+    assert (dist / readme).is_file() and REPO in (dist / readme).read_text()
+
+
+def test_links_lead_to_the_student_repository(dist):
+    for name, text in texts(dist).items():
+        for owner_repo, branch, target in re.findall(
+                r"colab\.research\.google\.com/github/([\w.-]+/[\w.-]+)/blob/([\w.-]+)/([\w./-]+\.ipynb)", text):
+            assert (owner_repo, branch) == ("acme/dp-student", BRANCH), name
+            assert target == name, f"{name}'s badge opens {target}"
+            assert (dist / target).is_file()
+        for url in re.findall(r'COURSE_REPO = "([^"]*)"', text):
+            assert url == REPO, name
+        assert "dp-from-scratch/dp-from-scratch" not in text, name
+    badges = [n for n, t in texts(dist).items() if "colab.research.google.com/github/" in t]
+    assert len(badges) == len(list((ROOT / "lessons").glob("*.ipynb"))) + len(list((ROOT / "labs").glob("*.ipynb")))
+
+
+def test_no_solution_text_and_no_hidden_test_anywhere(dist):
+    everything = texts(dist)
+    lines = {line.strip() for text in everything.values() for line in text.splitlines()}
+    for lab, distinctive in DISTINCTIVE.items():
+        nb = release.read_notebook(ROOT / "labs" / f"{lab}.ipynb")
+        solution_lines = set()
+        for cell in nb.cells:
+            source = cell.source.split("\n")
+            for what in (release.SOLUTION, release.HIDDEN_TESTS):
+                for begin, end, _ in release.marker_regions(cell.source, what):
+                    region = "\n".join(source[begin + 1:end]).strip()
+                    # a one-line region (lab 2's `return self.module(*args, **kwargs)`) is common code; the
+                    # curated lines cover the one-line formulas
+                    assert region.count("\n") == 0 or not [n for n, t in everything.items() if region in t], f"{lab}: a whole {what} region"
+                    if what == release.HIDDEN_TESTS:  # every line of a hidden test is the instructor's
+                        leaked = {l.strip() for l in source[begin + 1:end]} & lines
+                        assert not leaked, f"{lab}: hidden test lines {leaked}"
+                    solution_lines |= {l.strip() for l in source[begin + 1:end]}
+        assert all(any(line in s for s in solution_lines) for line in distinctive), \
+            f"{lab}: the curated lines must come from its solutions"
+        leaked = [line for line in distinctive if line in lines or any(line in t for t in everything.values())]
+        assert not leaked, f"{lab}: distinctive solution lines in the distribution: {leaked}"
+
+
+def test_the_released_lab_1_checks_part_4_without_the_private_module(dist):
+    """In the distribution, lab1.check_cost_model judges the lab's cases from stored values alone."""
+    nb = release.read_notebook(ROOT / "labs" / "lab1_collectives.ipynb")
+    solutions = "\n".join(c.source for c in nb.cells if release.is_solution_cell(c) and "def ring_time" in c.source
+                          or "def halving_doubling_time" in c.source or "def crossover_bytes" in c.source)
+    program = ("import math, sys\nimport utils\nassert utils.__file__.startswith(sys.argv[1]), utils.__file__\n"
+               "from utils.labchecks import lab1\n" + solutions +
+               "\nlab1.check_cost_model(ring_time, halving_doubling_time, crossover_bytes)\n"
+               "try:\n    import utils.tools.grade.reference\nexcept ImportError:\n    print('no reference module')\n")
+    done = subprocess.run([sys.executable, "-c", program, str(dist)], cwd=dist, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ring_time matches the α-β model" in done.stdout and "no reference module" in done.stdout
+
+
+def test_a_rewritten_repository_url_in_a_locked_cell_is_not_a_change():
+    nb = release.read_notebook(ROOT / "tests" / "fixtures" / "labs" / "lab0_fixture.ipynb")
+    nb.cells[0].source += ("\n\n[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+                           "(https://colab.research.google.com/github/course/course/blob/main/labs/lab0_fixture.ipynb)")
+    nb.cells[0].metadata["nbgrader"] = {"grade": False, "grade_id": "intro", "locked": True, "solution": False}
+    nb.cells[1].source = 'COURSE_REPO = "https://github.com/course/course"\n' + nb.cells[1].source
+    lab = Lab("lab0_fixture", Path("lab0_fixture.ipynb"), nb, release.check_lab(nb), Path("unused.py"))
+    released = release.student_copy(copy.deepcopy(nb), "lab0_fixture.ipynb", REPO, BRANCH)
+    assert REPO in released.cells[1].source and f"acme/dp-student/blob/{BRANCH}" in released.cells[0].source
+    assert not [n for n in prepare(released, lab).notes if "differed" in n]
+    released.cells[1].source += "\nWORLD_SIZE = 2"  # a real change is still one
+    assert [n for n in prepare(released, lab).notes if "'setup' differed" in n]

@@ -1,0 +1,145 @@
+"""Write the student distribution: a self-contained folder to push as the students' repository.
+
+    python -m utils.tools.distribution DIR --student-repo https://github.com/OWNER/NAME [--branch main]
+    (make distribution DIST=DIR STUDENT_REPO=https://github.com/OWNER/NAME [BRANCH=main])
+
+DIR receives exactly
+    README.md            for students (what to install, how to open the notebooks, how to hand in a lab)
+    pyproject.toml       the course's, so `pip install -e .` works (its readme, README.md, is the one above)
+    environment.yml      the conda environment
+    lessons/             every lesson notebook (with its outputs) and lessons/scripts/
+    labs/                the released labs (utils.tools.release: solutions stubbed, hidden tests removed)
+    utils/               the course's package, without the grader (utils/tools/grade/: verdicts, hidden
+                         cases, the private reference formulas) and without the release tool
+and nothing else. Every Colab badge opens the notebook in the student repository (github/OWNER/NAME/blob/
+BRANCH/...), and every setup cell's COURSE_REPO clones that repository. Labs sit in labs/ beside utils/, where
+their setup cell looks for it (Path.cwd().parent). An existing DIR is replaced, except its .git folder, so the
+command can refresh a clone of the student repository in place.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from . import release
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the distribution leaves out of utils/: the grader (verdicts and their hidden cases; reference.py, the
+# private reference formulas) and the tool that writes the student copies.
+PRIVATE = ("tools/grade", "tools/release.py", "tools/distribution.py")
+
+STUDENT_README = """\
+# Data Parallelism from Scratch — student repository
+
+An executable course on how many GPUs train one model: every lesson is a Jupyter notebook that runs a real
+multi-process `torch.distributed` job (gloo on a laptop's CPU, NCCL with one GPU per rank). No GPU is needed.
+
+## Open the notebooks
+- **Colab:** the *Open in Colab* badge at the top of each notebook. Its first cell clones this repository
+  ({repo}) and installs it with `pip install -e` (Colab's own torch is kept).
+- **Your machine** (Linux or macOS, Python 3.10+):
+  ```bash
+  git clone {repo}.git && cd {name}
+  python3 -m venv .venv && .venv/bin/pip install torch -e ".[dev]"
+  .venv/bin/jupyter lab
+  ```
+  or with conda: `conda env create -f environment.yml && conda activate dp-from-scratch && pip install -e . --no-deps`.
+  Open the notebooks from their folders (`lessons/`, `labs/`): their first cell finds the course's `utils`
+  package one folder up.
+
+## Lessons and labs
+{table}
+
+## Labs
+Each lab says what to write: replace every `raise NotImplementedError()` with your code and run the check cell
+below it; a check prints ✓ lines, or says what to fix (the rank, the chunk, the element, expected vs got).
+Do not edit the check cells (the grader runs the lab's own copy of them). Hand in the `.ipynb` file the way
+your instructor says; your grade comes from the grader's own checks, on fresh inputs.
+"""
+
+
+def _copy_utils(source: Path, target: Path) -> list[Path]:
+    written = []
+    for path in sorted(source.rglob("*.py")):
+        relative = path.relative_to(source)
+        if "__pycache__" in relative.parts or any(
+                relative.as_posix() == p or relative.as_posix().startswith(p + "/") for p in PRIVATE):
+            continue
+        (target / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target / relative)
+        written.append(target / relative)
+    return written
+
+
+def _lesson_copy(path: Path, student_repo: str, branch: str):
+    nb = release.read_notebook(path)
+    for cell in nb.cells:
+        cell.source = release.rewrite_links(cell.source, cell.get("cell_type"), path.name, student_repo, branch,
+                                            folder="lessons")
+    return nb
+
+
+def _table(lessons, labs) -> str:
+    rows = ["| notebook | |", "|---|---|"]
+    for path in lessons:
+        rows.append(f"| [lessons/{path.name}](lessons/{path.name}) | lesson |")
+    for path in labs:
+        rows.append(f"| [labs/{path.name}](labs/{path.name}) | graded lab |")
+    return "\n".join(rows)
+
+
+def write_distribution(out_dir, student_repo: str, branch: str = "main", root=ROOT) -> list[Path]:
+    """Write the student distribution to out_dir (see the module docstring); return the files written."""
+    root, out = Path(root), Path(out_dir)
+    release.check_student_repo(student_repo, branch)
+    if out.resolve() == root.resolve() or root.resolve() in out.resolve().parents and \
+            out.resolve().relative_to(root.resolve()).parts[0] in ("utils", "labs", "lessons"):
+        raise ValueError(f"{out}: write the distribution outside the course's own folders")
+    labs = release.lab_notebooks(root / "labs")
+    for path in labs:  # every lab checked before anything is written
+        release.check_lab(release.read_notebook(path), path.name)
+    if out.exists():
+        for entry in out.iterdir():
+            if entry.name != ".git":
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    written = release.release_labs(root / "labs", out / "labs", student_repo, branch)
+    lessons = sorted(p for p in (root / "lessons").glob("*.ipynb") if not p.name.startswith("."))
+    for path in lessons:
+        release.write_notebook(_lesson_copy(path, student_repo, branch), out / "lessons" / path.name)
+        written.append(out / "lessons" / path.name)
+    for path in sorted((root / "lessons" / "scripts").glob("*.py")):
+        (out / "lessons" / "scripts").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, out / "lessons" / "scripts" / path.name)
+        written.append(out / "lessons" / "scripts" / path.name)
+    written += _copy_utils(root / "utils", out / "utils")
+    for name in ("pyproject.toml", "environment.yml"):
+        shutil.copyfile(root / name, out / name)
+        written.append(out / name)
+    name = student_repo.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git")
+    (out / "README.md").write_text(STUDENT_README.format(repo=student_repo.removesuffix(".git"), name=name,
+                                                         table=_table(lessons, labs)))
+    written.append(out / "README.md")
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m utils.tools.distribution", description=__doc__.split("\n")[0])
+    parser.add_argument("out", help="folder to write (e.g. a clone of the student repository; its .git is kept)")
+    parser.add_argument("--student-repo", required=True,
+                        help="https://github.com/OWNER/NAME: where students find the course (badges, clone commands)")
+    parser.add_argument("--branch", default="main", help="the student repository's branch (default: main)")
+    args = parser.parse_args(argv)
+    try:
+        written = write_distribution(args.out, args.student_repo, args.branch)
+    except (ValueError, release.LabFormatError) as error:
+        print(f"distribution stopped: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(written)} files to {args.out}: push it as {args.student_repo} (branch {args.branch})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
