@@ -55,3 +55,15 @@ def test_wrong_wrappers_lose_the_parts_they_break(replace, passing, says):
     assert {p for p in PARTS if parts[p]["passed"]} == passing, parts
     part, text = says
     assert text in parts[part]["message"] and "DDPBucketed at N=2" in parts[part]["message"], parts[part]
+
+
+def test_each_rank_gets_its_own_inputs_and_no_seed():
+    import random
+    import torch
+    from utils.tools.grade.verdicts import lab2_ddp as verdicts
+    case = verdicts._training_cases(3, random.Random(0))[0]
+    assert "seed" not in case.params
+    assert len(case.inputs) == 3
+    xs = [inputs[1] for inputs in case.inputs]          # [state, x, y] per rank
+    assert not torch.equal(xs[0], xs[1]) and not torch.equal(case.inputs[0][0], case.inputs[1][0])
+    assert sum(x.shape[1] for x in xs) == case.params["batch"]   # the ranks' shards, together the batch

@@ -69,3 +69,20 @@ def test_wrong_optimizers_lose_the_parts_they_break(cells, passing):
     assert {p for p in PARTS if parts[p]["passed"]} == passing, parts
     if "sharded_state" not in passing:
         assert "rank" in parts["sharded_state"]["message"]
+
+
+def test_random_tied_models_tie_equal_widths():
+    import random
+    from utils.tools.grade.verdicts import lab3_sharded_optimizer as verdicts
+    from utils.labchecks import lab3
+    tied = [spec for spec in (verdicts._model(random.Random(seed), "m") for seed in range(200)) if spec["tied"]]
+    assert len(tied) > 50
+    for spec in tied:
+        assert spec["widths"][0] == spec["widths"][-1], spec
+        model = lab3.build_model(spec)
+        assert model.head.weight is model.wte.weight and model.head.in_features == spec["widths"][0]
+
+
+def test_note_names_everything_measured_in_the_ranks():
+    from utils.tools.grade.verdicts import lab3_sharded_optimizer as verdicts
+    assert all(word in verdicts.NOTE for word in ("Optimizer-state bytes", "torch.optim.Optimizer", "param_groups"))

@@ -228,3 +228,73 @@ def test_judges_are_pure_functions_of_plain_data():
     events = [("grad", "a", 0, 1.0), ("comm", "all_reduce", 300, 1.1), ("grad", "b", 0, 2.0),
               ("comm", "all_reduce", 100, 2.1)]
     assert lab2.overlap_share(events) == (300, 400)
+
+
+# ------------------------------------------------------------------ reviewers' leftovers
+
+class DividesButNeverWaits(Wrapper):
+    """Divides every gradient by N in its hook, all-reduces a copy, and never waits nor copies back."""
+
+    def launch(self, grads):
+        for g in grads:
+            g.div_(dist.get_world_size())
+        self.in_flight.append((dist.all_reduce(torch.cat([g.flatten() for g in grads]), async_op=True), None, []))
+
+    def finish_gradient_synchronization(self):
+        if self.filling:
+            self.close_bucket()
+        self.in_flight, self.pending, self.ready, self.filling, self.filled = [], [], 0, [], 0
+
+
+def test_a_started_but_unfinished_average_says_forgot_to_wait():
+    _fails(r"rank 0, step 0, wte\.weight: this rank's own gradient divided by 2: the average was started but not "
+           r"completed\. Did finish_gradient_synchronization\(\) forget to wait\(\)\?",
+           lab2.check_training, DividesButNeverWaits, world_sizes=(2,), models=(lab2.PLAIN,), bucket_sizes_mb=(4.0,))
+
+
+class BroadcastsBuffersInForward(Wrapper):
+    """Broadcasts the buffers again in every forward, as torch DDP does by default: more bytes than the gradients."""
+
+    def forward(self, *args, **kwargs):
+        for b in self.module.buffers():
+            dist.broadcast(b, src=0)
+        return self.module(*args, **kwargs)
+
+
+def test_more_bytes_names_a_buffer_broadcast_in_forward():
+    _fails(r"rank 0, step 0: sent .* bytes \(nominal\), expected .*; more: .*a broadcast of the buffers in every "
+           r"forward \(broadcast them once, when the wrapper is built\)",
+           lab2.check_training, BroadcastsBuffersInForward, world_sizes=(2,), models=(lab2.PLAIN,),
+           bucket_sizes_mb=(4.0,))
+
+
+class WaitsForever(Wrapper):
+    """Every rank waits for a message no rank sends: a hang, whatever its cause (the message names lab 2's)."""
+
+    def finish_gradient_synchronization(self):
+        dist.recv(torch.zeros(1), src=1 - dist.get_rank())
+        super().finish_gradient_synchronization()
+
+
+def test_a_hang_names_lab_2s_usual_causes():
+    message = _fails(r"likely a deadlock.*a collective that some ranks skip or issue in another order.*gradient "
+                     r"hooks firing a different number of times", lab2.check_training, WaitsForever,
+                     world_sizes=(2,), models=(lab2.PLAIN,), bucket_sizes_mb=(4.0,), steps=1, timeout=8)
+    assert "dist.send before its dist.recv" not in message          # lab 1's hint stays lab 1's
+
+
+def test_rank_inputs_hold_only_that_ranks_shard():
+    case = lab2.make_case(lab2.PLAIN, 1 / 128, steps=2, batch=12)
+    mine = [lab2.rank_inputs(case, r, 4) for r in range(4)]
+    x0, y0 = lab2.global_batch(case, 0)
+    assert all(m["batches"][0][0].shape[0] == 3 for m in mine)
+    assert torch.equal(torch.cat([m["batches"][0][0] for m in mine]), x0)
+    assert not torch.equal(mine[0]["state"]["wte.weight"], mine[1]["state"]["wte.weight"])
+
+
+def test_lab_1_keeps_its_send_recv_hint_by_default():
+    import inspect
+    from utils.labchecks import harness
+    default = inspect.signature(harness.run_on_ranks).parameters["deadlock_hint"].default
+    assert default is harness.SEND_RECV_DEADLOCK and "dist.send before its dist.recv" in default
+    assert "dist.send" not in lab2.DEADLOCK

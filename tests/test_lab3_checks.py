@@ -197,3 +197,53 @@ def test_frozen_parameters_state_is_not_counted():
     optimizer = torch.optim.Adagrad([trainable, frozen], lr=0.1)
     assert len(optimizer.state) == 2
     assert lab3.state_bytes(optimizer) == 10 * 4 + 4   # the trainable parameter's sum and its step counter
+
+
+# ------------------------------------------------------------------ reviewers' leftovers
+
+class NewGroupNeverReachesTheInner(Sharded):
+    """add_param_group keeps the new group in param_groups only: no rank's inner optimizer ever sees it."""
+
+    def add_param_group(self, param_group):
+        if self.inner is None:
+            return super().add_param_group(param_group)
+        torch.optim.Optimizer.add_param_group(self, param_group)
+        for p in self.param_groups[-1]["params"]:
+            self.owner[p] = len(self.owner) % self.n
+
+
+def test_a_parameter_no_rank_updated_points_at_the_inner_optimizer():
+    _fails(r"wte\.weight.*: not updated in this step on any rank .*add_param_group must reach the inner optimizer",
+           lab3.check_param_groups, NewGroupNeverReachesTheInner, world_sizes=(2,), models=(lab3.PLAIN,),
+           optimizers=(lab3.SGD,))
+
+
+def test_one_owner_not_updating_keeps_the_synchronisation_message():
+    message = _fails(r"not updated in this step \(it still holds", lab3.check_training, NoSync, world_sizes=(2,),
+                     models=(lab3.PLAIN,), optimizers=(lab3.SGD,))
+    assert "on any rank" not in message
+
+
+class WaitsForever(Sharded):
+    """Every rank waits for a message no rank sends: a hang, whatever its cause (the message names lab 3's)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        dist.recv(torch.zeros(1), src=(self.rank + 1) % self.n)
+
+
+def test_a_hang_names_lab_3s_usual_causes():
+    message = _fails(r"likely a deadlock.*a dist\.broadcast of a parameter that only its owner calls",
+                     lab3.check_training, WaitsForever, world_sizes=(2,), models=(lab3.PLAIN,),
+                     optimizers=(lab3.SGD,), steps=1, timeout=8)
+    assert "dist.send before its dist.recv" not in message          # lab 1's hint stays lab 1's
+
+
+def test_a_tied_model_needs_equal_embedding_and_head_widths():
+    lab3.build_model(lab3.TIED)
+    try:
+        lab3.build_model(dict(lab3.TIED, widths=[32, 48, 40]))
+    except ValueError as err:
+        assert "widths [32, 48, 40]" in str(err)
+    else:
+        raise AssertionError("a tie of a 32-wide embedding with a 40-wide head was accepted")

@@ -16,9 +16,13 @@ The rules:
 - An all-reduce of M bytes on N ranks is a ring: 2(N−1) messages of M/N bytes each, i.e.
   2(N−1)·α + 2(N−1)/N·M/bandwidth. It starts when the *last* rank has issued it (a collective cannot finish
   before every rank has contributed); the real `dist.all_reduce` runs too, so results are exact.
-- Completion = max(real completion, simulated completion): the link only ever adds time. When the real
-  operation finishes after its simulated finish, `work.end` (and the link's `busy_until`, so the next message
-  queues behind it) is the real finish: a record says when an operation really ended.
+- The link's schedule is the rule's alone: `work.start` and `work.end` are when the simulated network carries
+  the operation, and the next one queues behind `work.end`. A handle completes (`wait()` returns) no sooner
+  than `work.end` *and* no sooner than the real operation: the link only ever adds time to what the ranks
+  wait. `work.done` records when the handle really completed; `work.done − work.end` is host time the
+  simulator itself took on top of the network (the real gloo call and this link's thread, which on a busy
+  CPU run late). Late host work does not move the network's schedule, as a real network does not wait for
+  another operation's host bookkeeping: it shows in what the ranks wait, not in the link's record.
 - Waiting sleeps (a worker thread per link sleeps until each operation's finish time): a waiting rank burns
   no CPU, so 4 ranks on 2 cores can wait on their links without slowing each other's compute.
 
@@ -52,7 +56,8 @@ class SimWork:
 
     def __init__(self, future: torch.futures.Future):
         self._future = future
-        self.start = self.end = None            # simulated start, and finish (the real one if that was later)
+        self.start = self.end = None            # when the simulated network carries the operation
+        self.done = None                        # when the handle completed: >= end, and >= the real operation
 
     def wait(self) -> bool:
         self._future.wait()
@@ -132,12 +137,11 @@ class SimulatedLink:
                 work.start = max(issued, self.busy_until)
                 work.end = self.busy_until = work.start + sum(costs)
                 if real is not None:
-                    data_work.wait()
+                    data_work.wait()                      # the exact result: done no sooner than the real call
                 delay = work.end - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)                     # waiting burns no CPU
-                else:                                     # the real operation (or this thread) ran late:
-                    work.end = self.busy_until = time.perf_counter()   # record when it really finished
+                work.done = time.perf_counter()           # later than work.end when the host ran late
                 future.set_result(result)
             except Exception as exc:                      # hand the failure to whoever waits
                 future.set_exception(exc)

@@ -23,11 +23,23 @@ class LabCheckFailure(AssertionError):
 
 # ------------------------------------------------------------------ the generic harness
 
-def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TIMEOUT, backend: str = "auto"):
+# Why a check's ranks may hang, per lab: the default is lab 1's (point-to-point collectives).
+SEND_RECV_DEADLOCK = (
+    "Usual causes: every rank calls a blocking dist.send before its "
+    "dist.recv (post the send and the receive together as one dist.batch_isend_irecv, like "
+    "exchange() does, or let even ranks send first and odd ranks receive first; on NCCL an "
+    "isend followed by a recv can hang the same way); "
+    "a send without a matching recv (check the peer ranks: every send's receiver must post the "
+    "matching receive, from that sender, and both sides must agree on the chunk sizes).")
+
+
+def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TIMEOUT, backend: str = "auto",
+                 deadlock_hint: str = SEND_RECV_DEADLOCK):
     """`launch(rank_fn, *args)`, turning every failure into a `LabCheckFailure` that says what to do.
 
     `what` names the student's function in the messages (e.g. "reduce_scatter"). backend "auto" runs on NCCL
-    when every rank can have its own GPU, else on gloo.
+    when every rank can have its own GPU, else on gloo. `deadlock_hint` names the usual causes of a hang in
+    this lab (default: lab 1's unmatched sends and receives).
     """
     try:
         return launch(rank_fn, *args, world_size=world_size, backend=backend, timeout=timeout)
@@ -35,12 +47,7 @@ def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TI
         where = str(err).split("Where each rank is stuck (most recent call last):", 1)[-1].strip()
         raise LabCheckFailure(
             f"✗ {what} at N={world_size}: no result after {timeout:g} s: likely a deadlock (every rank "
-            "is waiting for another). Usual causes: every rank calls a blocking dist.send before its "
-            "dist.recv (post the send and the receive together as one dist.batch_isend_irecv, like "
-            "exchange() does, or let even ranks send first and odd ranks receive first; on NCCL an "
-            "isend followed by a recv can hang the same way); "
-            "a send without a matching recv (check the peer ranks: every send's receiver must post the "
-            "matching receive, from that sender, and both sides must agree on the chunk sizes).\n"
+            f"is waiting for another). {deadlock_hint}\n"
             f"Where each rank was waiting (most recent call last):\n{where}") from None
     except LaunchError as err:
         report = str(err)

@@ -138,8 +138,20 @@ def _state(module):
             itertools.chain(module.named_parameters(), module.named_buffers())}
 
 
-def run_case(Wrapper, case):
+def rank_inputs(case, rank, world_size):
+    """What rank `rank` trains on, and nothing more: its initial parameters and buffers (different per rank: the
+    wrapper must broadcast rank 0's), and its shard (x, y) of every step's batch (step 0's also for forward)."""
+    state = _state(build_model(case["model"], rank_seed(case, rank)))
+    batches = [tuple(shard(t, rank, world_size) for t in global_batch(case, step))
+               for step in range(max(case["steps"], 1))]
+    return dict(state=state, batches=batches)
+
+
+def run_case(Wrapper, case, inputs=None):
     """Train the student's wrapper on this rank; return plain data (CPU tensors, numbers, tuples).
+
+    inputs: this rank's `rank_inputs` (a grader sends each rank only its own, and no seed); by default they are
+    made here from the case's seed.
 
     Returned dict:
       state      {name: tensor} parameters and buffers right after Wrapper(...) was built
@@ -155,7 +167,12 @@ def run_case(Wrapper, case):
     rank, n = dist.get_rank(), dist.get_world_size()
     device = launching.device()
     spec = case["model"]
-    model = build_model(spec, rank_seed(case, rank)).to(device)
+    inputs = rank_inputs(case, rank, n) if inputs is None else inputs
+    model = build_model(spec, 0)
+    with torch.no_grad():
+        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+            t.copy_(inputs["state"][name])
+    model = model.to(device)
     events = []
     for name, p in model.named_parameters():
         if p.requires_grad:  # registered before the wrapper's hooks: runs first on each gradient
@@ -164,16 +181,14 @@ def run_case(Wrapper, case):
     wrapper = Wrapper(model, case["bucket_size_mb"])
     result = dict(state=_state(model), module_ok=getattr(wrapper, "module", None) is model,
                   grads=[], bytes=[], events=[])
-    x, y = global_batch(case, 0)
-    x, y = shard(x, rank, n).to(device), shard(y, rank, n).to(device)
+    x, y = (t.to(device) for t in inputs["batches"][0])
     with torch.no_grad():
         out = wrapper(x, y)
         out = out.detach().cpu() if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
         result["outputs"] = (out, model(x, y).detach().cpu())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(case["steps"]):
-        x, y = global_batch(case, step)
-        x, y = shard(x, rank, n).to(device), shard(y, rank, n).to(device)
+        x, y = (t.to(device) for t in inputs["batches"][step])
         events.clear()
         blocking = []  # collectives called without async_op=True: backward waited for them, so none started early
         with bytecount.count_bytes() as counter:
@@ -260,6 +275,11 @@ def _diagnose_gradient(got, want, local, world_size):
     if local is not None and close(got, local):
         return ("this rank's own gradient, never averaged: was its bucket all-reduced, and waited for "
                 f"in finish_gradient_synchronization()? ({_first_difference(got, want)})")
+    if local is not None and close(got, local / world_size):
+        return (f"this rank's own gradient divided by {world_size}: the average was started but not completed. "
+                "Did finish_gradient_synchronization() forget to wait()? Wait for every outstanding all-reduce, "
+                "then copy each bucket's result back into the gradients "
+                f"({_first_difference(got, want)})")
     return _first_difference(got, want)
 
 
@@ -336,8 +356,10 @@ def judge_traffic(case, world_size, results):
             calls = sum(1 for e in events if e[0] == "comm")
             if abs(sent - want) <= calls:  # each collective's nominal count is rounded down to whole bytes
                 continue
-            more = ("more: a gradient communicated twice (a tied parameter registered under both its names?)"
-                    if sent > want else "less: some gradient was not communicated")
+            more = ("more: a gradient communicated twice (a tied parameter registered under both its names?), "
+                    "or something else sent between forward and the end of finish_gradient_synchronization(), "
+                    "such as a broadcast of the buffers in every forward (broadcast them once, when the wrapper "
+                    "is built)" if sent > want else "less: some gradient was not communicated")
             problems.append(f"rank {rank}, step {step}: sent {sent:,} bytes (nominal), expected {want:,.0f} = "
                             f"2(N-1)/N × {gradient_bytes(case['model']):,} bytes of trainable gradients, each "
                             f"once; {more}")
@@ -392,10 +414,18 @@ def judge_overlap(case, world_size, results, share=EARLY_SHARE):
 # ------------------------------------------------------------------ the visible checks
 
 WHAT = "your DDP wrapper"
+DEADLOCK = ("Usual causes: a collective that some ranks skip or issue in another order (every rank must "
+            "issue the same all-reduces, of the same sizes, in the same order: a bucket launched on a condition "
+            "that differs between ranks hangs the others); gradient hooks firing a different number of times "
+            "than your wrapper counts (autograd calls a tied parameter's hook once, after both uses; a frozen "
+            "parameter's never), so a bucket is never launched, or finish_gradient_synchronization() waits for "
+            "one that was never launched; a dist.broadcast in __init__ that only rank 0 calls (every rank "
+            "calls it, with src=0).")
 
 
 def _run(Wrapper, cases, world_size, timeout):
-    return run_on_ranks(run_cases, Wrapper, cases, world_size=world_size, what=WHAT, timeout=timeout)
+    return run_on_ranks(run_cases, Wrapper, cases, world_size=world_size, what=WHAT, timeout=timeout,
+                        deadlock_hint=DEADLOCK)
 
 
 def _describe(spec):

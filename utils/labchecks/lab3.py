@@ -57,6 +57,8 @@ class LabModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
         self.head = torch.nn.Linear(widths[-1], spec["vocab"], bias=False)
         if spec.get("tied"):
+            if widths[0] != widths[-1]:
+                raise ValueError(f"a tied model needs the head's input width = the embedding's, got widths {widths}")
             self.head.weight = self.wte.weight  # one Parameter under two names
         for name, p in self.named_parameters():
             if name in spec.get("frozen", ()):
@@ -288,12 +290,18 @@ def first_difference(got, want):
             f"got {fmt(got.flatten()[i].item())}")
 
 
-def _diagnose(got, want, before, step):
-    """Why a parameter differs from the unsharded optimizer's after a step."""
+def _diagnose(got, want, before, step, nobody=False):
+    """Why a parameter differs from the unsharded optimizer's after a step (`nobody`: no rank updated it)."""
     if got is None:
         return "missing"
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if nobody and not torch.equal(before, want) and torch.equal(got, before):
+        return (f"not updated in this step on any rank (every rank still holds its value from before step "
+                f"{step}): no rank's inner optimizer updated it. Is it in the param_groups of the inner optimizer "
+                "of the rank that owns it? A group added with add_param_group must reach the inner optimizer "
+                "too (give the owner its share of the new group), and step() must call the inner optimizer's "
+                f"step() ({first_difference(got, want)})")
     if not torch.equal(before, want) and torch.equal(got, before):
         return (f"not updated in this step (it still holds its value from before step {step}): the rank that "
                 f"owns it updated it, but the new value never reached this rank — synchronise after the "
@@ -321,13 +329,16 @@ def judge_training(case, world_size, results, reference, steps=None):
     for step in range(case["steps"] if steps is None else steps):
         want_step = reference["params"][step]
         before = reference["params"][step - 1] if step else reference["init"]
+        stale = {name for name in want_step if all(
+            isinstance(r["params"][step].get(name), torch.Tensor) and torch.equal(r["params"][step][name], before[name])
+            for r in results)}   # no rank holds a new value
         for rank, r in enumerate(results):
             for name, want in want_step.items():
                 got = r["params"][step].get(name)
                 if got is not None and close(got, want):
                     continue
                 problems.append(f"rank {rank}, step {step}, {label(spec, name)}: "
-                                f"{_diagnose(got, want, before[name], step)}")
+                                f"{_diagnose(got, want, before[name], step, nobody=name in stale)}")
         if problems:
             return problems
     return problems
@@ -392,11 +403,18 @@ def judge_groups(case, world_size, results, reference):
 # ------------------------------------------------------------------ the visible checks
 
 WHAT = "your ShardedOptimizer"
+DEADLOCK = ("Usual causes: a collective that only some ranks call, such as a dist.broadcast of a parameter that "
+            "only its owner calls (every rank must call dist.broadcast(p, src=owner) for every parameter, in "
+            "the same order); ranks that disagree on who owns which parameter (compute the split from the same "
+            "parameter list, in the same order, on every rank); a collective skipped on some ranks only, e.g. "
+            "for parameters without a gradient on this rank, or for a group added with add_param_group on the "
+            "owner only; collectives of different sizes on different ranks (an all-gather needs equal shards).")
 
 
 def _run(Optimizer, cases, world_size, timeout):
     inputs = [make_inputs(case) for case in cases]
-    per_rank = run_on_ranks(run_cases, Optimizer, cases, inputs, world_size=world_size, what=WHAT, timeout=timeout)
+    per_rank = run_on_ranks(run_cases, Optimizer, cases, inputs, world_size=world_size, what=WHAT, timeout=timeout,
+                            deadlock_hint=DEADLOCK)
     return inputs, [[rank[i] for rank in per_rank] for i in range(len(cases))]
 
 

@@ -8,7 +8,9 @@
 Each world size gets fresh cases: models drawn from the checker's rng (widths, vocabulary; plain, frozen, tied,
 tied and frozen, which parameters are frozen), bucket sizes drawn around the model's own sizes (smaller than
 any parameter, medium, larger than the model), and a seed per case from os.urandom, which fixes every rank's
-initial weights (different per rank: the wrapper must broadcast) and the batches. A rank runs the student's
+initial weights (different per rank: the wrapper must broadcast) and the batches. The seed stays in the checker:
+each rank gets only its own inputs (`lab2.rank_inputs`: its initial parameters and buffers, its shard of each
+step's batch), so no rank can reconstruct another's data. A rank runs the student's
 DDPBucketed through lab 2's own `run_case` and sends back raw tensors (parameters, buffers, gradients per step,
 the forward's output, the trace of gradients and collectives) and its bytes per step as numbers. The checker
 trains one process itself (`lab2.reference_run`) and judges with lab 2's judges.
@@ -73,6 +75,25 @@ def _unpack(values, sizes, layout):
 
 # ------------------------------------------------------------------ on every rank (trusted code, untrusted process)
 
+def _pack_inputs(case, rank, world_size):
+    """Rank `rank`'s own inputs as tensors: [initial state (float32, layout order), x, y (steps × rows × length)]."""
+    mine = lab2.rank_inputs(case, rank, world_size)
+    parameters, buffers = _layout(case["model"])
+    values, _ = _pack(mine["state"], parameters + buffers)
+    return [values, torch.stack([x for x, _ in mine["batches"]]), torch.stack([y for _, y in mine["batches"]])]
+
+
+def _unpack_inputs(case, inputs):
+    """lab2.rank_inputs' dict back from _pack_inputs."""
+    values, xs, ys = inputs
+    parameters, buffers = _layout(case["model"])
+    state, start = {}, 0
+    for name, shape in parameters + buffers:
+        state[name] = values[start:start + shape.numel()].reshape(shape)
+        start += shape.numel()
+    return dict(state=state, batches=list(zip(xs, ys)))
+
+
 def run_wrapper(namespace, params, inputs):
     """The student's DDPBucketed on this rank through lab 2's run_case; its results as raw tensors.
 
@@ -81,7 +102,7 @@ def run_wrapper(namespace, params, inputs):
     bytes])]; measured: module_ok and the nominal bytes sent per step."""
     Wrapper = function(namespace, "DDPBucketed")
     case = params
-    result = lab2.run_case(Wrapper, case)
+    result = lab2.run_case(Wrapper, case, _unpack_inputs(case, inputs))
     parameters, buffers = _layout(case["model"])
     steps = case["steps"]
     state = _pack(result["state"], parameters + buffers)
@@ -150,7 +171,8 @@ def _case(n, spec, bucket_size_mb, steps, rng):
     label = f"model '{spec['name']}' (widths {widths}, vocabulary {spec['vocab']}"
     label += f", frozen {', '.join(spec['frozen'])})" if spec.get("frozen") else ")"
     label += f", buckets of {bucket_size_mb * lab2.MiB:,.0f} bytes"
-    return Case(label, case, [[] for _ in range(n)], {"reference": _reference(case, n)})
+    shared = {key: value for key, value in case.items() if key != "seed"}   # the seed stays here
+    return Case(label, shared, [_pack_inputs(case, r, n) for r in range(n)], {"reference": _reference(case, n)})
 
 
 def _construction_cases(n, rng):

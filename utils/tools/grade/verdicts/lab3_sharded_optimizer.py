@@ -12,8 +12,9 @@ rank runs the student's ShardedOptimizer through lab 3's own `run_case` and send
 every step as raw tensors, and its optimizer-state bytes as a number. The checker runs the unsharded optimizer
 itself (`lab3.reference_run`) and judges with lab 3's judges.
 
-The state bytes are measured inside the rank processes, which also run the student's code: they are advisory
-against deliberate tampering (NOTE says so in every feedback). Parameters are values: judged in the checker.
+The state bytes, whether the class is a torch.optim.Optimizer and the sizes of its param_groups are measured
+inside the rank processes, which also run the student's code: they are advisory against deliberate tampering
+(NOTE says so in every feedback). Parameters are values: judged in the checker.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from utils.labchecks import lab3
 from utils.tools.grade.verdicts import Case, OnRanks, function, unpredictable_integers
 
 WORLD_SIZES = (2, 3, 4)
-NOTE = ("Optimizer-state bytes are measured inside your own rank processes (which also run your code): they "
-        "catch mistakes, and are advisory against deliberate tampering.")
+NOTE = ("Optimizer-state bytes, whether your class is a torch.optim.Optimizer, and the sizes of its param_groups "
+        "are measured inside your own rank processes (which also run your code): they catch mistakes, and are "
+        "advisory against deliberate tampering.")
 OPTIMIZERS = [("AdamW", dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
               ("SGD", dict(lr=5e-2, momentum=0.9)),
               ("Adam", dict(lr=3e-3, betas=(0.8, 0.99))),
@@ -63,6 +65,8 @@ def _model(rng, name):
     """A random model: 2 to 4 layers of random widths, maybe tied, maybe frozen and unused parameters."""
     widths = [rng.choice([8, 16, 24, 32, 40, 48, 64]) for _ in range(rng.randint(3, 5))]
     spec = dict(name=name, vocab=rng.randint(8, 24), widths=widths, tied=rng.random() < 0.5)
+    if spec["tied"]:
+        widths[-1] = widths[0]   # the head's weight is the embedding's: vocabulary × embedding width
     candidates = [n for n in lab3.names(spec) if n != "wte.weight"]
     picked = rng.sample(candidates, 2)
     if rng.random() < 0.7:
