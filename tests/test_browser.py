@@ -14,6 +14,7 @@ import configparser
 import os
 import re
 import shutil
+import sys
 import time
 
 import nbformat
@@ -145,6 +146,21 @@ def scratch(context, lab):
 
 # ---------------------------------------------------------------- the steps
 
+def test_notebooks_name_a_kernel_of_this_environment(monkeypatch):
+    """`make lab` (JUPYTER_PATH = this environment's share/jupyter) finds the kernel every notebook names, and
+    it runs this environment's Python. No browser needed."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    monkeypatch.setenv("JUPYTER_PATH", os.path.join(sys.prefix, "share", "jupyter"))
+    names = {nbformat.read(os.path.join(REPO, folder, name), as_version=4).metadata.kernelspec.name
+             for folder in ("lessons", "labs") for name in os.listdir(os.path.join(REPO, folder))
+             if name.endswith(".ipynb")}
+    for name in names:
+        spec = KernelSpecManager().get_kernel_spec(name)
+        assert spec.resource_dir.startswith(sys.prefix), (name, spec.resource_dir)
+        assert spec.argv[0] in ("python", "python3", sys.executable), spec.argv
+
+
+
 def sanitizers():
     config = configparser.ConfigParser(interpolation=None)
     config.read(os.path.join(REPO, "tests", "sanitize.cfg"))
@@ -229,7 +245,9 @@ def test_3_stop_button_stops_every_rank(scratch, lab):
     scratch.screenshot("3_stop_button.png", cell=2)
     assert not left, f"ranks still running after ■: {left}"
     assert seconds < 10, f"■ took {seconds:.1f} s to stop the launch"
-    assert "KeyboardInterrupt" in scratch.outputs(2)
+    report = scratch.outputs(2)
+    assert "KeyboardInterrupt" in report
+    assert "_wait" not in report and "selector" not in report, "the launcher's internals in the traceback"
     scratch.run_cell(3)
     scratch.wait_idle()
     assert "next launch: [0, 10, 20]" in scratch.outputs(3)

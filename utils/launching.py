@@ -129,7 +129,10 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
         raise ValueError(f"could not send fn and its arguments to the ranks ({type(exc).__name__}: "
                          f"{exc}); pass plain data, tensors, functions or classes.") from None
     threads = threads or default_threads(world_size)
-    return _Launch(world_size, backend, timeout, threads).run(payload, source_files_of(fn))
+    try:
+        return _Launch(world_size, backend, timeout, threads).run(payload, source_files_of(fn))
+    except KeyboardInterrupt as stop:  # ■ pressed: every rank is stopped; the launcher's inner frames are noise
+        raise stop.with_traceback(None) from None
 
 
 class _Pickler(cloudpickle.Pickler):
