@@ -26,8 +26,11 @@ test: install
 	$(PY) -m pytest tests lessons labs --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300 -q
 
+# JupyterLab at lesson 00 with the course's kernel: JUPYTER_PATH puts this environment's kernelspecs
+# (python3 = this .venv's Python, the kernel every notebook names) before any the user installed.
+# e.g. make lab LAB_ARGS="--no-browser --port 8899"
 lab: install
-	$(PY) -m jupyter lab
+	JUPYTER_PATH=$(abspath $(VENV))/share/jupyter $(PY) -m jupyter lab lessons/00_launching.ipynb $(LAB_ARGS)
 
 # make release STUDENT_REPO=https://github.com/you/course-student   (where students find the copies; INSTRUCTORS.md)
 release: install

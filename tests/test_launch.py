@@ -1,10 +1,12 @@
 """utils.launch: results, output, failures, hangs, interrupts, cleanup, isolation, arguments."""
+import io
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import cloudpickle
 import pytest
@@ -160,6 +162,54 @@ def test_live_output_arrives_as_it_happens(monkeypatch, capfd):
 
     utils.launch(talk, world_size=2)
     assert capfd.readouterr().out.splitlines() == ["[rank 1] hello from 1", "[rank 0] hello from 0"]
+
+
+def test_live_stderr_is_held_and_a_failing_ranks_goes_into_its_report(monkeypatch, capfd):
+    # Live or grouped, what a student sees of a failure is the same: the culprit's stderr in the
+    # report, the peers' complaints dropped, nothing on the cell's stderr.
+    monkeypatch.setenv("COURSE_OUTPUT", "live")
+
+    def fail():
+        print(f"out {dist.get_rank()}")
+        os.write(2, f"err {dist.get_rank()}\n".encode())
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 gives up")
+        dist.barrier()
+
+    with pytest.raises(utils.LaunchError) as err:
+        utils.launch(fail, world_size=2, timeout=30)
+    out, stderr = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["[rank 0] out 0", "[rank 1] out 1"]
+    assert stderr == ""
+    assert "stderr of rank 1 (last 1 lines):\n  err 1" in str(err.value)
+    assert "err 0" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["/venv/bin/python", "-m", "jupyterlab", "--ServerApp.root_dir=/tmp/pytest-of-me/pytest-3/lab"], "jupyterlab"),
+    (["/venv/bin/jupyter-lab", "--notebook-dir=/home/me/pytest-notes"], "jupyter-lab"),
+    (["/usr/bin/python3.11", "-X", "utf8", "-m", "pytest", "tests"], "pytest"),
+    (["/venv/bin/python", "/venv/bin/papermill", "a.ipynb", "b.ipynb"], "papermill"),
+    (["/venv/bin/python", "-mutils.tools.run", "lessons"], "utils.tools.run"),
+    (["/venv/bin/pytest", "--nbval", "lessons"], "pytest"),
+    (["python", "-c", "import papermill"], "python"),
+])
+def test_executor_is_the_program_not_a_word_in_its_paths(argv, name):
+    assert utils.launching.executor_name(argv + [""]) == name
+
+
+def test_a_kernel_under_a_pytest_folder_still_gets_live_output(monkeypatch):
+    # JupyterLab serving a folder under pytest's tmp_path used to switch output to grouped.
+    from utils import launching
+    monkeypatch.delenv("COURSE_OUTPUT", raising=False)
+    monkeypatch.setattr("IPython.get_ipython", lambda: types.SimpleNamespace(kernel=object()))
+    lab = b"/venv/bin/python\0-m\0jupyterlab\0--ServerApp.root_dir=/tmp/pytest-of-root/pytest-7/lab\0"
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: io.BytesIO(lab) if str(path).startswith(
+        f"/proc/{os.getppid()}/cmdline") else real_open(path, *a, **k))
+    assert launching._output_is_live()
+    lab = b"/venv/bin/python\0-m\0pytest\0--nbval\0/home/me/lessons\0"
+    assert not launching._output_is_live()
 
 
 # ------------------------------------------------------------------ failures

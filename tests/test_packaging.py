@@ -23,4 +23,4 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in readme and "make run" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     workflow = (ROOT / ".github" / "workflows" / "ci.yml").read_text()
-    assert "make test" in workflow
+    assert re.search(r"^\s*- run: \.ci/run\b", workflow, re.M), "the workflow runs .ci/run (browser test required)"

@@ -11,8 +11,10 @@ Why it is built this way:
 - Rendezvous uses a TCPStore held by the launching process on a socket bound to 127.0.0.1 with a
   port the OS picks, so nothing listens beyond this machine and two launches never collide.
 - Every rank's stdout and stderr (Python and C level) come back through a socket, each line marked
-  with its rank. A person watching sees them live; batch runs (nbval, papermill, pytest) get them
-  grouped in rank order, so stored outputs are deterministic.
+  with its rank. A person watching sees stdout live; batch runs (nbval, papermill, pytest) get it
+  grouped in rank order, so stored outputs are deterministic. Stderr is held until the launch ends,
+  live or not: a failing rank's goes into its report (a C++ abort message, say), and the other
+  ranks' complaints about the peer they lost are dropped, so a student sees what a stored notebook shows.
 - A failing rank (exception, exit, signal) or a hang (nothing finished by `timeout`) raises
   `LaunchError` / `LaunchTimeout` with the remote traceback or every rank's Python stack, and all
   processes the launch started are killed: each rank leads its own process group, and a watchdog
@@ -128,7 +130,10 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
         raise ValueError(f"could not send fn and its arguments to the ranks ({type(exc).__name__}: "
                          f"{exc}); pass plain data, tensors, functions or classes.") from None
     threads = threads or default_threads(world_size)
-    return _Launch(world_size, backend, timeout, threads).run(payload, source_files_of(fn))
+    try:
+        return _Launch(world_size, backend, timeout, threads).run(payload, source_files_of(fn))
+    except KeyboardInterrupt as stop:  # ■ pressed: every rank is stopped; the launcher's inner frames are noise
+        raise stop.with_traceback(None) from None
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -228,7 +233,8 @@ def _output_is_live() -> bool:
     """True when a person watches the output as it happens (JupyterLab, Colab, a terminal).
 
     Batch executors (nbval/pytest, papermill, nbconvert, the course's runner and grader) get the
-    output grouped in rank order instead. COURSE_OUTPUT=live|grouped overrides the guess.
+    output grouped in rank order instead. COURSE_OUTPUT=live|grouped overrides the guess, which
+    goes by the program or module that started the kernel (its parent process).
     """
     mode = os.environ.get("COURSE_OUTPUT", "")
     if mode in ("live", "grouped"):
@@ -242,12 +248,43 @@ def _output_is_live() -> bool:
         return sys.stdout.isatty()
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            parent = f.read().replace(b"\0", b" ").decode(errors="replace")
+            argv = f.read().decode(errors="replace").split("\0")
     except OSError:
         return True
-    batch = ("papermill", "pytest", "nbval", "nbclient", "nbconvert", "jupyter-execute",
-             "utils.tools.run", "utils.tools.grade")
-    return not any(word in parent for word in batch)
+    return executor_name(argv) not in _BATCH_EXECUTORS
+
+
+# Programs and modules that execute notebooks with nobody watching (a kernel's parent process).
+_BATCH_EXECUTORS = {"papermill", "pytest", "py.test", "nbval", "nbclient", "nbconvert", "jupyter-nbconvert",
+                    "jupyter-execute", "utils.tools.run", "utils.tools.grade"}
+
+
+def executor_name(argv: list) -> str:
+    """The program a command line runs: its executable's name, or a Python's script or `-m` module.
+
+    ['/x/bin/python', '-m', 'pytest', ...] -> 'pytest'; ['/x/bin/python', '/x/bin/papermill', ...] ->
+    'papermill'; ['/x/bin/jupyter-lab', '--root-dir=/tmp/pytest-of-me/...'] -> 'jupyter-lab'.
+    Only the program counts, never the paths it is given.
+    """
+    argv = [a for a in argv if a]
+    if not argv:
+        return ""
+    name = os.path.basename(argv[0])
+    if not re.fullmatch(r"python[\d.]*", name):
+        return name
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, "")
+        if arg.startswith("-m"):
+            return arg[2:]
+        if arg in ("-c", "-"):
+            return name
+        if arg in ("-W", "-X", "-Q"):
+            next(args, None)  # an option with a separate value
+        elif not arg.startswith("-"):
+            return os.path.basename(arg)  # a script
+    return name
 
 
 class _Launch:
@@ -282,11 +319,11 @@ class _Launch:
             self._stop_all()
             self._close()
         if self.failures or self.timeout_report:
-            # Batch runs: what the culprits wrote to stderr goes into the report, and what the ranks
-            # stopped because of them wrote (peer-loss noise) is dropped, so a notebook that
-            # catches the error and prints it stores nothing on stderr.
+            # What the culprits wrote to stderr goes into the report, and what the ranks stopped
+            # because of them wrote (peer-loss noise) is dropped, so a notebook that catches the
+            # error and prints it shows nothing on stderr, live or stored.
             error, culprits = self._error()
-            stderr = "" if self.live else self._take_stderr(culprits)
+            stderr = self._take_stderr(culprits)
             for rank in range(self.world_size):
                 self.lines[rank][2] = []
             self._print_output()
@@ -402,8 +439,8 @@ class _Launch:
         rank, stream = rank_stream
         for raw in complete:
             line = raw.decode(errors="replace")
-            if self.live:
-                print(f"[rank {rank}] {line}", file=sys.stdout if stream == 1 else sys.stderr, flush=True)
+            if self.live and stream == 1:
+                print(f"[rank {rank}] {line}", flush=True)
             else:
                 self.lines[rank][stream].append(line)
 
@@ -569,8 +606,7 @@ class _Launch:
         return "".join(parts)
 
     def _print_output(self):
-        if self.live:
-            return
+        """Print the lines held back (live: only stderr), in rank order."""
         for stream, target in ((1, sys.stdout), (2, sys.stderr)):
             for rank in range(self.world_size):
                 for line in self.lines[rank][stream]:
