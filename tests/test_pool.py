@@ -238,3 +238,45 @@ def test_warm_up_runs_only_in_a_notebook_kernel(monkeypatch):
     assert warmup.in_notebook_kernel()
     monkeypatch.setenv("RANK", "0")                  # under torchrun, or inside a rank
     assert not warmup.in_notebook_kernel()
+
+
+def children(pid):
+    """(pid, command line) of the processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().split(") ")[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            found.append((int(entry), command))
+    return found
+
+
+def test_in_a_real_kernel_the_warm_up_runs_once_and_a_restart_leaves_no_rank():
+    from jupyter_client.manager import start_new_kernel
+    manager, client = start_new_kernel(kernel_name="python3", cwd=REPO)
+    try:
+        def run(code):
+            out = []
+            def hook(msg):
+                if msg["msg_type"] in ("stream", "error"):
+                    out.append(msg["content"].get("text") or msg["content"]["ename"])
+            client.execute_interactive(code, output_hook=hook, timeout=120)
+            return "".join(out)
+
+        kernel = int(run("import os, utils\nprint(os.getpid())"))
+        assert run("import utils.timing\nprint(utils.warmup._done.is_set())").strip() == "True"
+        forkservers = [c for _, c in children(kernel) if "multiprocessing.forkserver" in c]
+        assert len(forkservers) == 1   # warmed once: the forkserver's own `import utils` did not warm again
+        ranks = [int(p) for p in run("%load_ext utils\n%dist start -n 2\nfrom utils import pool\n"
+                                     "print(*pool.current().pids.values())").split()[-2:]]
+        assert all(alive(p) for p in ranks)
+        manager.restart_kernel(now=False)
+        assert not wait_gone(ranks)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
