@@ -8,11 +8,18 @@ min–max), the ratio spawn / launch within each round, and utils.timing.compare
 difference whose interquartile ranges overlap "no measurable difference here". Takes about half a
 minute on 2 cores (more on a busy machine), nearly all of it in spawn; 5 rounds, since quartiles need 4.
 
-    .venv/bin/python benchmarks/bench_launch.py [--world-size 4] [--rounds 5]
+Then the first launch of a session, each in a fresh interpreter, made 5 s after `import utils` (a
+lesson's first launch comes a few cells after its setup cell): with the forkserver warm-up that
+`import utils` starts in a notebook (utils/warmup.py), and without it. Alternated, 3 of each (about
+another minute).
+
+    .venv/bin/python benchmarks/bench_launch.py [--world-size 4] [--rounds 5] [--first-rounds 3]
 """
 import argparse
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import torch
@@ -46,10 +53,35 @@ def free_port():
         return s.getsockname()[1]
 
 
+FIRST_LAUNCH = """
+import sys, time
+import torch, torch.distributed as dist
+import utils
+if sys.argv[1] == "warm":
+    utils.warmup.start()                   # what `import utils` does by itself in a notebook kernel
+time.sleep(5)
+def one_all_reduce():
+    t = torch.ones(1024)
+    dist.all_reduce(t)
+start = time.perf_counter()
+utils.launch(one_all_reduce, world_size=int(sys.argv[2]))
+print(time.perf_counter() - start)
+"""
+
+
+def first_launch(warm: bool, world_size: int) -> float:
+    """Seconds of the first launch in a fresh interpreter, made 5 s after `import utils`."""
+    out = subprocess.run([sys.executable, "-c", FIRST_LAUNCH, "warm" if warm else "cold", str(world_size)],
+                         capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__))))
+    return float(out.stdout.split()[-1])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--first-rounds", type=int, default=3)
     args = parser.parse_args()
     n = args.world_size
     runs = {
@@ -80,6 +112,14 @@ def main():
     else:
         target = "undecided: the target lies inside the interquartile range"
     print(f"target: warm launch <= {TARGET_SECONDS} s: {target}")
+
+    firsts = {"warm-up at import": [], "no warm-up": []}
+    for _, name in rotated_rounds(list(firsts), args.first_rounds, warmup=0):
+        firsts[name].append(first_launch(name == "warm-up at import", n))
+    print(f"first launch of a session, 5 s after import utils, fresh interpreters, {args.first_rounds} of each:")
+    for name, t in firsts.items():
+        print(f"{name:<29} {Spread.of(t).format(scale=1, unit='s')}")
+    print(f"verdict: {compare(firsts['no warm-up'], firsts['warm-up at import'], 'no warm-up', 'warm-up at import', scale=1, unit='s')}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ The notebooks import what they need from here:
     utils.launch(fn, world_size=4)      run fn on 4 ranks, get their results (utils/launching.py)
     utils.device()                      this rank's torch.device
     %load_ext utils; %%distributed -n 4 run a cell on 4 ranks (utils/magic.py)
+    %dist start -n 4                    ranks that stay alive across cells (utils/pool.py)
     utils.trace, utils.plots            per-rank timelines
     utils.checks                        state a claim: print ✓ or raise
     utils.collectives                   collectives renamed across torch versions
@@ -19,6 +20,12 @@ __all__ = ["launch", "device", "describe", "backend_for", "default_threads", "La
 
 
 def load_ipython_extension(ipython):
-    """`%load_ext utils` registers the `%%distributed` cell magic."""
+    """`%load_ext utils` registers the `%%distributed` cell magic and the `%dist` line magic."""
     from .magic import DistributedMagics
     ipython.register_magics(DistributedMagics)
+
+
+# In a notebook, start the forkserver's `import torch` now, in the background, so that the lesson's first
+# launch a few cells later costs about as much as any other (utils/warmup.py says when it does not run).
+from . import warmup as _warmup  # noqa: E402
+_warmup.start_in_notebook()

@@ -438,11 +438,14 @@ class _Launch:
             self.partial[rank_stream] = rest
         rank, stream = rank_stream
         for raw in complete:
-            line = raw.decode(errors="replace")
-            if self.live and stream == 1:
-                print(f"[rank {rank}] {line}", flush=True)
-            else:
-                self.lines[rank][stream].append(line)
+            self._emit_line(rank, stream, raw.decode(errors="replace"))
+
+    def _emit_line(self, rank, stream, line):
+        """One complete line a rank wrote: stdout shown now (live), the rest kept for rank order."""
+        if self.live and stream == 1:
+            print(f"[rank {rank}] {line}", flush=True)
+        else:
+            self.lines[rank][stream].append(line)
 
     def _read_result(self, conn, rank):
         self._unregister(conn)
@@ -741,9 +744,9 @@ def short_path(path: str) -> str:
     return path
 
 
-# Frames of the course's plumbing (launcher, cell magic, byte counter, lab-check harness): not the student's.
-_PLUMBING = ("utils/launching.py", "utils/magic.py", "utils/bytecount.py", "utils/labchecks/",
-             "multiprocessing", "<string>")
+# Frames of the course's plumbing (launcher, cell magic and pool, byte counter, lab-check harness): not the student's.
+_PLUMBING = ("utils/launching.py", "utils/magic.py", "utils/cells.py", "utils/pool.py", "utils/bytecount.py",
+             "utils/labchecks/", "multiprocessing", "<string>")
 
 
 def format_frames(frames, source_files=None) -> str:

@@ -13,11 +13,18 @@ sequence can be systematically favoured (caches, CPU frequency, another process 
 
 A verdict computed from timings changes between runs: print it in a cell nbval ignores, and let the
 lesson's prose say what to look for, not which way it went.
+
+Importing this module, and each rotated_rounds, first waits for the forkserver warm-up that
+`import utils` starts in a notebook (utils/warmup.py): it burns CPU that would skew a timing.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Iterator, NamedTuple, Sequence
+
+from . import warmup as _warmup
+
+_warmup.wait()  # e.g. lesson 01 times its baseline right after the setup cell started the warm-up
 
 
 def rotated_rounds(names: Sequence[str], repeats: int, warmup: int = 1) -> Iterator[tuple[int, str]]:
@@ -28,6 +35,7 @@ def rotated_rounds(names: Sequence[str], repeats: int, warmup: int = 1) -> Itera
     spreads over all variants instead of favouring one.
     """
     names = list(names)
+    _warmup.wait()
     for round_ in range(-warmup, repeats):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:

@@ -478,6 +478,9 @@ def check_cost_model(ring_time, halving_doubling_time, crossover_bytes, cases=No
             expected = (f"{want:.10g} bytes, within 1 byte or 1e-6 relative (the largest M for which "
                         "halving-doubling is at least as fast as the ring)")
         raise LabCheckFailure(f"✗ {call} = {got!r}, expected {expected}")
-    sizes = ", ".join(str(n) for n in dict.fromkeys(n for n, _, _ in crossover_cases))
-    check(True, f"crossover_bytes matches the α-β model on {len(crossover_cases)} cases (N = {sizes}): "
+    distinct = list(dict.fromkeys(n for n, _, _ in crossover_cases))
+    sizes = ", ".join(str(n) for n in distinct)
+    twice = "; some N on two different links" if len(distinct) < len(crossover_cases) else ""
+    check(True, f"crossover_bytes matches the α-β model on {len(crossover_cases)} (N, α, β) cases "
+                f"(N = {sizes}{twice}): "
                 "within 1 byte or 1e-6 relative, or ≥ 1e15 where the answer is math.inf")
