@@ -496,7 +496,7 @@ def test_crossover_in_whole_bytes_or_huge_for_never_is_accepted(reference, capsy
     # on the lab's cases round-off leaves huge positive numbers (1.2e16 at N = 8): "never slower" too
     assert crossover_by_subtraction(8, 5e-6, 1 / 100e9, ring, hd) > 1e15
     lab1.check_cost_model(ring, hd, lambda n, a, b: crossover_by_subtraction(n, a, b, ring, hd))
-    assert "crossover_bytes matches the α-β model on 11 cases" in capsys.readouterr().out
+    assert "crossover_bytes matches the α-β model on 11 (N, α, β) cases" in capsys.readouterr().out
     # on others it leaves a huge negative one, clamped to 0.0: wrong, and the message says why
     assert crossover_by_subtraction(16, 2e-6, 1 / 25e9, ring, hd) == 0.0
     _fails(r"crossover_bytes\(n=16, alpha=2e-06, beta=4e-11\) = 0\.0, expected math\.inf: .*round-off",
