@@ -139,21 +139,6 @@ class JupyterLab:
         self.log.close()
 
 
-def alive(pid: int) -> bool:
-    """Whether `pid` names a running process (a zombie counts as gone)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids, limit=10.0):
-    end = time.monotonic() + limit
-    while time.monotonic() < end and any(alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
-
-
 class Notebook:
     """One notebook open in its own page (its own JupyterLab workspace), driven as a student would."""
 

@@ -20,7 +20,8 @@ import time
 import nbformat
 import pytest
 
-from browser import INSTALL_HINT, JupyterLab, Notebook, alive, find_browser, wait_gone
+from browser import INSTALL_HINT, JupyterLab, Notebook, find_browser
+from pidwatch import alive, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHOTS = os.path.join(REPO, "build", "browser")
@@ -240,7 +241,7 @@ def test_3_stop_button_stops_every_rank(scratch, lab):
     scratch.toolbar_button("notebook:interrupt-kernel").click()
     scratch.wait_for_text(2, "Interrupted: stopped all 3 ranks.", limit=30)
     seconds = time.monotonic() - start
-    left = wait_gone(ranks, limit=5)
+    left = wait_gone(ranks, seconds=5)
     scratch.wait_idle()
     scratch.screenshot("3_stop_button.png", cell=2)
     assert not left, f"ranks still running after ■: {left}"
@@ -286,7 +287,7 @@ def test_5_kernel_restart_during_a_launch_leaves_no_process(scratch, lab):
     scratch.toolbar_button("notebook:restart-kernel").click()
     scratch.page.locator(".jp-Dialog .jp-mod-accept").click()
     start = time.monotonic()
-    left = wait_gone(ranks + sorted(forkservers), limit=10)
+    left = wait_gone(ranks + sorted(forkservers), seconds=10)
     seconds = time.monotonic() - start
     scratch.page.wait_for_function(
         f"() => {scratch._panel}.sessionContext.session?.kernel?.status === 'idle'", timeout=60_000)

@@ -73,11 +73,12 @@ def texts(root):
 
 def test_the_distribution_holds_what_students_need_and_nothing_else(dist):
     top = {p.name for p in dist.iterdir()}
-    assert top == {".git", "README.md", "pyproject.toml", "environment.yml", "lessons", "labs", "utils"}
+    assert top == {".git", "README.md", "pyproject.toml", "environment.yml", "lessons", "labs", "utils", "benchmarks"}
     files = set(texts(dist))
     assert {f"lessons/{p.name}" for p in (ROOT / "lessons").glob("*.ipynb")} <= files
     assert {f"labs/{p.name}" for p in (ROOT / "labs").glob("*.ipynb")} <= files
     assert "utils/labchecks/lab1.py" in files and "utils/__init__.py" in files
+    assert {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")} <= files   # lessons point to them
     assert not [f for f in files if f.startswith("utils/tools/grade") or f.endswith(("release.py", "reference.py"))]
     readme = re.search(r'^readme\s*=\s*"([^"]+)"', (dist / "pyproject.toml").read_text(), re.M)[1]
     assert (dist / readme).is_file() and REPO in (dist / readme).read_text()

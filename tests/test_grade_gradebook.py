@@ -14,7 +14,7 @@ import pytest
 from utils.tools import release
 from utils.tools.grade import cli, find_submissions, load_labs
 from utils.tools.grade.preparation import prepare
-from utils.tools.grade.reports import Outcome, gradebook_rows, read_roster, write_reports
+from utils.tools.grade.reports import Outcome, read_roster, write_reports
 from utils.tools.grade.wording import GLOO_RECEIVE, plain
 from labtesting import run_grader
 
@@ -144,6 +144,8 @@ def test_lab_limits_come_from_the_lab_unless_the_command_line_sets_them():
     lab1 = real["lab1_collectives"]
     assert cli.Limits(None, None, None).for_lab(lab1).cell_timeout == lab1.limits["cell_timeout"] <= 60
     assert cli.Limits(None, 5, None).for_lab(lab1).cell_timeout == 5
+    for lab in real.values():   # every lab bounds a loop in a student's cell, and in a verdict step, to about a minute
+        assert lab.limits["cell_timeout"] <= 60 and lab.limits["verdict_timeout"] <= 60 and lab.limits["timeout"] <= 240
     nb = nbformat.v4.new_notebook(metadata={"grading": {"cell_timeout": 20, "timeout": -1}})
     from utils.tools.grade.submissions import lab_limits
     assert lab_limits(nb, type("M", (), {"LIMITS": {"cell_timeout": 60, "timeout": 100}})) == {

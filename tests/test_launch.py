@@ -10,6 +10,7 @@ import types
 
 import cloudpickle
 import pytest
+from pidwatch import wait_gone
 import torch
 import torch.distributed as dist
 
@@ -20,25 +21,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_gone(pids, seconds=5.0):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end and any(alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
 
 
 def record_pid(folder):

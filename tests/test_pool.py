@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from pidwatch import alive, wait_gone
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -16,21 +17,6 @@ from utils import pool, warmup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie is dead for our purposes
-    except OSError:
-        return False
-
-
-def wait_gone(pids, seconds=10.0):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end and any(alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
 
 
 def open_fds(pid="self"):

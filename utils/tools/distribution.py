@@ -8,6 +8,7 @@ DIR receives exactly
     pyproject.toml       the course's, so `pip install -e .` works (its readme, README.md, is the one above)
     environment.yml      the conda environment
     lessons/             every lesson notebook (with its outputs) and lessons/scripts/
+    benchmarks/          the benchmark scripts the lessons point to (they use only utils)
     labs/                the released labs (utils.tools.release: solutions stubbed, hidden tests removed)
     utils/               the course's package, without the grader (utils/tools/grade/: verdicts, hidden
                          cases, the private reference formulas) and without the release tool
@@ -51,6 +52,8 @@ multi-process `torch.distributed` job (gloo on a laptop's CPU, NCCL with one GPU
 
 ## Lessons and labs
 {table}
+
+`benchmarks/` holds the timing scripts some lessons point to (run one with `.venv/bin/python benchmarks/NAME.py`).
 
 ## Labs
 Each lab says what to write: replace every `raise NotImplementedError()` with your code and run the check cell
@@ -114,6 +117,10 @@ def write_distribution(out_dir, student_repo: str, branch: str = "main", root=RO
         (out / "lessons" / "scripts").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, out / "lessons" / "scripts" / path.name)
         written.append(out / "lessons" / "scripts" / path.name)
+    for path in sorted((root / "benchmarks").glob("*.py")):
+        (out / "benchmarks").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, out / "benchmarks" / path.name)
+        written.append(out / "benchmarks" / path.name)
     written += _copy_utils(root / "utils", out / "utils")
     for name in ("pyproject.toml", "environment.yml"):
         shutil.copyfile(root / name, out / name)
