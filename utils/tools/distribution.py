@@ -113,14 +113,11 @@ def write_distribution(out_dir, student_repo: str, branch: str = "main", root=RO
     for path in lessons:
         release.write_notebook(_lesson_copy(path, student_repo, branch), out / "lessons" / path.name)
         written.append(out / "lessons" / path.name)
-    for path in sorted((root / "lessons" / "scripts").glob("*.py")):
-        (out / "lessons" / "scripts").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, out / "lessons" / "scripts" / path.name)
-        written.append(out / "lessons" / "scripts" / path.name)
-    for path in sorted((root / "benchmarks").glob("*.py")):
-        (out / "benchmarks").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, out / "benchmarks" / path.name)
-        written.append(out / "benchmarks" / path.name)
+    for folder in ("lessons/scripts", "benchmarks"):
+        for path in sorted((root / folder).glob("*.py")):
+            (out / folder).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, out / folder / path.name)
+            written.append(out / folder / path.name)
     written += _copy_utils(root / "utils", out / "utils")
     for name in ("pyproject.toml", "environment.yml"):
         shutil.copyfile(root / name, out / name)
