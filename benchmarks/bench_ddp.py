@@ -80,7 +80,7 @@ class TorchDDP:
         self.module = module
         # forward_sync_buffers=False: our versions broadcast buffers once, when built (this model's buffers are
         # constant causal masks); by default DDP broadcasts them again in every forward
-        self.ddp = torch.nn.parallel.DistributedDataParallel(
+        self.ddp = utils.compat.ddp(
             module, bucket_cap_mb=bucket_mb, forward_sync_buffers=False,
             device_ids=[utils.device()] if utils.device().type == "cuda" else None)
 

@@ -66,8 +66,8 @@ def _builtin_collectives():
         ("all_reduce", lambda: dist.all_reduce(ones(12))),                                  # M = 48
         ("broadcast", lambda: dist.broadcast(ones(12), src=1)),                             # M = 48
         ("reduce", lambda: dist.reduce(ones(12), dst=0)),                                   # M = 48
-        ("all_gather_single", lambda: utils.collectives.all_gather_single(ones(3 * n), ones(3))),
-        ("reduce_scatter_single", lambda: utils.collectives.reduce_scatter_single(ones(3), ones(3 * n))),
+        ("all_gather_single", lambda: utils.compat.all_gather_single(ones(3 * n), ones(3))),
+        ("reduce_scatter_single", lambda: utils.compat.reduce_scatter_single(ones(3), ones(3 * n))),
         ("barrier", lambda: dist.barrier()),
     ]:
         with bytecount.count_bytes() as counter:
@@ -256,8 +256,8 @@ def test_forbid_collectives_without_a_process_group():
     with bytecount.forbid_collectives():
         assert dist.send is original_send  # point-to-point stays untouched
         for call in (lambda: dist.all_reduce(torch.ones(1)), lambda: c10d.all_reduce(torch.ones(1)),
-                     lambda: utils.collectives.all_gather_single(torch.ones(2), torch.ones(1)),
-                     lambda: utils.collectives.reduce_scatter_single(torch.ones(1), torch.ones(2))):
+                     lambda: utils.compat.all_gather_single(torch.ones(2), torch.ones(1)),
+                     lambda: utils.compat.reduce_scatter_single(torch.ones(1), torch.ones(2))):
             with pytest.raises(bytecount.CollectiveForbiddenError):
                 call()
     assert dist.all_reduce is original_all_reduce and c10d.all_reduce is original_all_reduce

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import utils
-from utils import checks, collectives, plots, trace
+from utils import checks, compat, plots, trace
 
 matplotlib.use("Agg")
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -64,9 +64,9 @@ def test_collectives_shim_matches_and_never_warns():
         warnings.simplefilter("error")  # any FutureWarning becomes a failure
         rank, world = dist.get_rank(), dist.get_world_size()
         gathered = torch.empty(world * 2)
-        collectives.all_gather_single(gathered, torch.full((2,), float(rank)))
+        compat.all_gather_single(gathered, torch.full((2,), float(rank)))
         scattered = torch.empty(2)
-        collectives.reduce_scatter_single(scattered, torch.arange(world * 2, dtype=torch.float32))
+        compat.reduce_scatter_single(scattered, torch.arange(world * 2, dtype=torch.float32))
         return gathered, scattered
 
     for rank, (gathered, scattered) in enumerate(utils.launch(work, world_size=2)):

@@ -7,16 +7,16 @@ The notebooks import what they need from here:
     %dist start -n 4                    ranks that stay alive across cells (utils/pool.py)
     utils.trace, utils.plots            per-rank timelines
     utils.checks                        state a claim: print ✓ or raise
-    utils.collectives                   collectives renamed across torch versions
+    utils.compat                        torch API that changed across supported releases (one bridge)
     utils.timing                        interleaved timings, their spread, honest verdicts
     utils.ring_model                    the α–β–γ model of a (pipelined) ring all-reduce
 """
 from .launching import (LaunchError, LaunchTimeout, backend_for, default_threads, describe, device,
                         launch)
-from . import checks, collectives, trace
+from . import checks, compat, trace
 
 __all__ = ["launch", "device", "describe", "backend_for", "default_threads", "LaunchError",
-           "LaunchTimeout", "checks", "collectives", "trace", "load_ipython_extension"]
+           "LaunchTimeout", "checks", "compat", "trace", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython):

@@ -386,17 +386,17 @@ def _forbidding_wrapper(label, name, original):
 def forbid_collectives():
     """Make every built-in collective raise ``CollectiveForbiddenError`` inside the block.
 
-    Covers ``dist.<collective>``, ``torch.distributed.distributed_c10d.<collective>``, the ``utils.collectives``
+    Covers ``dist.<collective>``, ``torch.distributed.distributed_c10d.<collective>``, the ``utils.compat``
     shims (if loaded), the collective methods of every process-group and backend class (which also catches
     a collective imported by name before the block), and the operators under OP_NAMESPACES.
     ``dist.send``/``recv``/``isend``/``irecv`` and a process group's ``send``/``recv`` keep working.
     """
-    shims = sys.modules.get("utils.collectives")
+    shims = sys.modules.get("utils.compat")
     shim_names = [n for n in ("all_gather_single", "reduce_scatter_single") if shims and hasattr(shims, n)]
     saved = [(n, getattr(shims, n)) for n in shim_names]
     try:
         for n in shim_names:
-            setattr(shims, n, _forbidding_wrapper(f"utils.collectives.{n}", n, getattr(shims, n)))
+            setattr(shims, n, _forbidding_wrapper(f"utils.compat.{n}", n, getattr(shims, n)))
         with _patched(_module_targets(COLLECTIVES), _forbidding_wrapper), \
                 _patched(_method_targets(GROUP_COLLECTIVES), _forbidding_wrapper), \
                 _patched(_op_targets(), _forbidding_wrapper):
