@@ -9,14 +9,14 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lab release distribution grade regrade benchmarks clean
+.PHONY: install run test lab book release distribution grade regrade benchmarks clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,book]"
 	touch $(STAMP)
 
 run: install
@@ -31,6 +31,11 @@ test: install
 # e.g. make lab LAB_ARGS="--no-browser --port 8899"
 lab: install
 	JUPYTER_PATH=$(abspath $(VENV))/share/jupyter $(PY) -m jupyter lab lessons/00_launching.ipynb $(LAB_ARGS)
+
+# The course as a static website from the stored notebooks (nothing re-executed): build/book/index.html.
+# Colab and download links open the student repository: make book STUDENT_REPO=https://github.com/you/course-student
+book: install
+	$(PY) -m utils.tools.book --out build/book $(if $(STUDENT_REPO),--student-repo $(STUDENT_REPO)) $(if $(BRANCH),--branch $(BRANCH))
 
 # make release STUDENT_REPO=https://github.com/you/course-student   (where students find the copies; INSTRUCTORS.md)
 release: install

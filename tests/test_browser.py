@@ -20,37 +20,13 @@ import time
 import nbformat
 import pytest
 
-from browser import INSTALL_HINT, JupyterLab, Notebook, find_browser
+from browser import JupyterLab, Notebook
 from pidwatch import alive, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHOTS = os.path.join(REPO, "build", "browser")
 LESSON_00 = "lessons/00_launching.ipynb"
 LESSON_03 = "lessons/03_allreduce_from_scratch.ipynb"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """A headless Chromium from this machine, or a skip (a failure with COURSE_REQUIRE_BROWSER=1)."""
-    def unavailable(why):
-        if os.environ.get("COURSE_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"browser test required (COURSE_REQUIRE_BROWSER=1) but {why}; {INSTALL_HINT}")
-        pytest.skip(f"browser test skipped: {why}; to run it, {INSTALL_HINT}")
-
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        unavailable("the playwright package is missing (make install adds it)")
-    executable = find_browser()
-    if executable is None:
-        unavailable("no Chromium or Chrome found")
-    args = ["--disable-dev-shm-usage", "--disable-gpu"] + (["--no-sandbox"] if os.geteuid() == 0 else [])
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=executable, headless=True, args=args)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """The student distribution (utils/tools/distribution.py): exactly the files students need, links to the
 student repository, and no solution text, hidden test or reference formula anywhere in it."""
 import copy
-import json
 import re
 import subprocess
 import sys
@@ -14,38 +13,10 @@ from utils.tools import distribution, release
 from utils.tools.grade.preparation import prepare
 from utils.tools.grade.submissions import Lab
 
+from leakcheck import find_leaks, texts
+
 ROOT = Path(__file__).resolve().parents[1]
 REPO, BRANCH = "https://github.com/acme/dp-student", "fall26"
-
-# Each lab's distinctive solution lines (stripped): none may appear anywhere in the distribution. Lines a lesson
-# rightly teaches (lesson 03's ring, lesson 04's hooks) are not distinctive and are left out.
-DISTINCTIVE = {
-    "lab1_collectives": [
-        "outgoing, incoming = chunks[(rank - 1 - step) % n], chunks[(rank - 2 - step) % n]",
-        "outgoing, incoming = pieces[(rank - step) % n], pieces[(rank - step - 1) % n]",
-        "pieces[rank].copy_(chunk)",
-        "return 2 * position + 1 if position < extra else position + extra",
-        "keep, give = ((lo, mid), (mid, hi)) if me & distance == 0 else ((mid, hi), (lo, mid))",
-        "other = (hi, outer_hi) if lo == outer_lo else (outer_lo, lo)",
-        "return 2 * (n - 1) * (alpha + nbytes / n * beta)",
-        "time = 2 * steps * alpha + 2 * (p - 1) / p * nbytes * beta",
-        "latency_saved = (ring_time(n, 0, 1, 0) - halving_doubling_time(n, 0, 1, 0)) * alpha",
-        "bandwidth_lost = (halving_doubling_time(n, 1, 0, 1) - ring_time(n, 1, 0, 1)) * beta",
-    ],
-    "lab2_ddp": [
-        "self.filled_bytes += param.grad.numel() * param.grad.element_size()",
-        "if self.filled_bytes >= self.cap_bytes or self.ready == len(self.params):",
-        "flat = torch.cat([g.flatten() for g in grads]).div_(self.world_size)",
-        "self.in_flight.append((work, flat, grads))",
-    ],
-    "lab3_sharded_optimizer": [
-        "owner = min(range(self.world_size), key=lambda r: self.loads[r])",
-        "self.loads[owner] += p.numel() if p.requires_grad else 0",
-        'self.shard = self.optimizer_cls([{**options, "params": mine}], **self.kwargs)',
-        'shard_group.update({k: v for k, v in group.items() if k != "params"})',
-        "dist.broadcast(p.detach(), src=self.owner[p])",
-    ],
-}
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +27,6 @@ def dist():
         (out / "stale.txt").write_text("from an older distribution")
         distribution.write_distribution(out, REPO, BRANCH)
         yield out
-
-
-def texts(root):
-    """{relative path: text} of every file; a notebook's text is its cells' sources and outputs."""
-    found = {}
-    for path in root.rglob("*"):
-        if path.is_file() and ".git" not in path.relative_to(root).parts:
-            text = path.read_text()
-            if path.suffix == ".ipynb":
-                nb = json.loads(text)
-                text = "\n".join("".join(c["source"]) + "\n" + json.dumps(c.get("outputs", [])) for c in nb["cells"])
-            found[path.relative_to(root).as_posix()] = text
-    return found
 
 
 def test_the_distribution_holds_what_students_need_and_nothing_else(dist):
@@ -99,27 +57,7 @@ def test_links_lead_to_the_student_repository(dist):
 
 
 def test_no_solution_text_and_no_hidden_test_anywhere(dist):
-    everything = texts(dist)
-    lines = {line.strip() for text in everything.values() for line in text.splitlines()}
-    for lab, distinctive in DISTINCTIVE.items():
-        nb = release.read_notebook(ROOT / "labs" / f"{lab}.ipynb")
-        solution_lines = set()
-        for cell in nb.cells:
-            source = cell.source.split("\n")
-            for what in (release.SOLUTION, release.HIDDEN_TESTS):
-                for begin, end, _ in release.marker_regions(cell.source, what):
-                    region = "\n".join(source[begin + 1:end]).strip()
-                    # a one-line region (lab 2's `return self.module(*args, **kwargs)`) is common code; the
-                    # curated lines cover the one-line formulas
-                    assert region.count("\n") == 0 or not [n for n, t in everything.items() if region in t], f"{lab}: a whole {what} region"
-                    if what == release.HIDDEN_TESTS:  # every line of a hidden test is the instructor's
-                        leaked = {l.strip() for l in source[begin + 1:end]} & lines
-                        assert not leaked, f"{lab}: hidden test lines {leaked}"
-                    solution_lines |= {l.strip() for l in source[begin + 1:end]}
-        assert all(any(line in s for s in solution_lines) for line in distinctive), \
-            f"{lab}: the curated lines must come from its solutions"
-        leaked = [line for line in distinctive if line in lines or any(line in t for t in everything.values())]
-        assert not leaked, f"{lab}: distinctive solution lines in the distribution: {leaked}"
+    assert find_leaks(texts(dist)) == []
 
 
 def test_the_released_lab_1_checks_part_4_without_the_private_module(dist):

@@ -28,8 +28,8 @@ from . import release
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the distribution leaves out of utils/: the grader (verdicts and their hidden cases; reference.py, the
-# private reference formulas) and the tool that writes the student copies.
-PRIVATE = ("tools/grade", "tools/release.py", "tools/distribution.py")
+# private reference formulas), the tools that write the student copies and the website.
+PRIVATE = ("tools/grade", "tools/release.py", "tools/distribution.py", "tools/book.py")
 
 STUDENT_README = """\
 # Data Parallelism from Scratch — student repository
