@@ -193,6 +193,25 @@ def test_ddp_comm_hook_averages_through_the_link_no_sooner_than_the_model():
         assert torch.equal(a, b)                          # the same averaged gradient on both ranks
 
 
+def _ddp_static_graph():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    ddp = utils.compat.ddp(model, static_graph=True, forward_sync_buffers=False)
+    link = SimulatedLink(0.005, 1e9)
+    ddp.register_comm_hook(link, allreduce_hook)
+    for step in range(2):                                 # step 0 all-reduces from inside a final callback
+        ddp(torch.full((2, 8), float(dist.get_rank() + 1))).sum().backward()
+        grad = model[1].weight.grad.clone()
+        model.zero_grad()
+    link.close()
+    return grad
+
+
+def test_ddp_static_graph_does_not_hang():
+    g0, g1 = utils.launch(_ddp_static_graph, world_size=2, timeout=60)
+    assert torch.equal(g0, g1)
+
+
 def _late_real_all_reduce(real_seconds):
     # the real collective takes `real_seconds` longer than the link's rule: it is not complete until then
     real_all_reduce = dist.all_reduce

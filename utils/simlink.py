@@ -36,10 +36,10 @@ How it is cheap (the simulator must cost far less than the α it models; `benchm
 - A handle's `get_future()` (what a DDP communication hook returns) is completed from the autograd engine's
   final callback, which runs on the backward thread before DDP's own final callback waits for its buckets:
   it sleeps until the last bucket's end and completes every future in order. Outside backward a helper
-  thread completes it instead. (Not for DDP's static_graph=True, whose first step all-reduces from inside
-  a final callback.) A future handed out during backward therefore completes at the end of backward, no
-  sooner than its `end`: `done` records that, so for DDP's buckets only the last one's `done − end` is host
-  cost.
+  thread completes it instead; the same thread completes, 0.1 s late, a future the final callback missed
+  (DDP's static_graph=True all-reduces its first step from inside a final callback). A future handed out
+  during backward therefore completes at the end of backward, no sooner than its `end`: `done` records
+  that, so for DDP's buckets only the last one's `done − end` is host cost.
 
 The simulated start of a collective uses the ranks' issue times on `time.perf_counter()`, one clock shared by all
 processes of one machine (as `utils.trace` does): the link is for single-machine runs, not for multi-node jobs.
@@ -50,6 +50,7 @@ each gradient bucket through the link and returns the future DDP expects.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import mmap
 import os
@@ -66,6 +67,7 @@ import torch.distributed as dist
 __all__ = ["SimulatedLink", "SimWork", "HostCost", "ring_messages", "allreduce_hook"]
 
 _SLOTS = 4096                      # all-reduces in flight a rank may be ahead of the slowest one
+_GRACE = 0.1                       # seconds after which the helper thread completes a future backward did not
 _PREFIX = "dpfs-simlink-"          # shared-memory file names: prefix, creator's pid, a counter
 _made = 0
 
@@ -128,9 +130,9 @@ class HostCost(NamedTuple):
     samples: int
 
     def __str__(self):
-        return (f"host cost {self.median * 1e3:.3g} ms (p90 {self.p90 * 1e3:.3g} ms) vs α {self.alpha * 1e3:.3g} ms "
-                f"per message ({self.median / self.alpha:.2f} α)" if self.alpha > 0 else
-                f"host cost {self.median * 1e3:.3g} ms (p90 {self.p90 * 1e3:.3g} ms), α 0")
+        ratio = f" = {self.median / self.alpha:.2f} α" if self.alpha > 0 else ""
+        return (f"host cost {self.median * 1e3:.3g} ms vs α {self.alpha * 1e3:.3g} ms per message{ratio} "
+                f"(median of {self.samples} handles; p90 {self.p90 * 1e3:.3g} ms)")
 
 
 class _IssueTable:
@@ -163,7 +165,7 @@ class _IssueTable:
             dist.barrier(group=group)           # everyone has it mapped: the name can go
         finally:
             if path is not None:
-                with _suppress(FileNotFoundError):
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         self._cells = memoryview(self._map).cast("d")      # [settled seq per rank] + [slot][rank][time, seq]
 
@@ -192,17 +194,6 @@ class _IssueTable:
         self._map.close()
 
 
-class _suppress:
-    def __init__(self, *kinds):
-        self.kinds = kinds
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, *_):
-        return kind is not None and issubclass(kind, self.kinds)
-
-
 def _sweep(folder):
     # remove tables a killed process left between creating and unlinking them (a window of milliseconds)
     for name in os.listdir(folder):
@@ -211,7 +202,7 @@ def _sweep(folder):
             try:
                 os.kill(int(match.group(1)), 0)
             except ProcessLookupError:
-                with _suppress(OSError):
+                with contextlib.suppress(OSError):
                     os.unlink(os.path.join(folder, name))
             except OSError:
                 pass
@@ -237,6 +228,8 @@ class SimulatedLink:
         self._lock = threading.RLock()
         self._backward_target = None              # the last work whose future completes at the end of backward
         self._later = collections.deque()         # works whose future the helper thread completes
+        self._watched = collections.deque()       # futures backward should complete, the helper's fallback
+        self._watching = False
         self._helper = None
         self._helper_wake = threading.Condition(self._lock)
         self._closed = False
@@ -419,6 +412,9 @@ class SimulatedLink:
                 self._start_helper()
                 return work._future
             self._backward_target = work                     # (to a backward that failed before its callbacks)
+            self._watched.append(work)                       # if backward's callback comes too late (a hook
+            self._watching = True
+            self._start_helper()                             # called from a final callback), the helper does it
             return work._future
 
     def _end_of_backward(self):
@@ -432,17 +428,31 @@ class SimulatedLink:
         if self._helper is None:
             self._helper = threading.Thread(target=self._help, name="simulated-link-futures", daemon=True)
             self._helper.start()
-        self._helper_wake.notify()
+        if self._later:
+            self._helper_wake.notify()
+
+    def _next_for_helper(self):
+        # under the lock: a future to complete now, or None after waiting a while (or when closed and idle)
+        while self._watched and self._watched[0].done is not None:
+            self._watched.popleft()
+        if self._later:
+            return self._later.popleft()
+        now = time.perf_counter()
+        if self._watched and now > self._watched[0].issued + self._watched[0]._seconds + _GRACE:
+            return self._watched.popleft()                   # backward's final callback did not come in time
+        if not self._closed:                                 # watching: look again every _GRACE (no notify per op)
+            self._helper_wake.wait(_GRACE if self._watching else None)
+        return None
 
     def _help(self):
         _fine_sleep()
         while True:
             with self._lock:
-                while not self._later and not self._closed:
-                    self._helper_wake.wait()
-                if not self._later:
-                    return
-                work = self._later.popleft()
+                work = self._next_for_helper()
+                if work is None:
+                    if self._closed and not self._later:
+                        return
+                    continue
             try:
                 self._wait(work)
             except Exception as exc:                          # hand the failure to whoever waits
