@@ -288,6 +288,31 @@ def test_queued_all_reduces_are_exact_fifo_and_start_with_the_last_issuer():
     assert runs[0]["ops"][0][:2] == runs[1]["ops"][0][:2]  # both ranks agree on the collective's schedule
 
 
+def _many_in_flight(slots):
+    import utils.simlink as simlink
+    simlink._SLOTS = slots                                # a tiny table: its slots are reused many times over
+    rank = dist.get_rank()
+    link = SimulatedLink(alpha=0.0005, bandwidth=1e9)
+    tensors = [torch.full((4,), float(i + rank)) for i in range(6 * slots)]
+    works = []
+    for i, t in enumerate(tensors):
+        if rank == 1 and i % 5 == 0:
+            time.sleep(0.003)                             # rank 1 lags, then catches up
+        works.append(link.all_reduce(t, async_op=True))
+    for w in works:
+        w.wait()
+    link.close()
+    return [t[0].item() for t in tensors], [(w.start, w.end) for w in works]
+
+
+def test_more_all_reduces_in_flight_than_table_slots():
+    (sums, ops), (sums1, ops1) = utils.launch(_many_in_flight, 4, world_size=2)
+    assert sums == sums1 == [2.0 * i + 1 for i in range(24)]
+    assert ops == ops1                                    # the same schedule on both ranks
+    for (start, end), (next_start, _) in zip(ops, ops[1:]):
+        assert next_start >= end
+
+
 def _shared_files(pid):
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
     return [] if folder is None else [n for n in os.listdir(folder) if n.startswith(f"{_PREFIX}{pid}-")]
