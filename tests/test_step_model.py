@@ -1,9 +1,9 @@
 """utils.step_model: hand-computed cases of the α–β ring, overlap and efficiency."""
 import pytest
 
-from utils.step_model import (compute_seconds, efficiency, hierarchical_all_reduce_seconds,
-                              ring_all_reduce_seconds, scaling_efficiency, step_seconds,
-                              tree_all_reduce_seconds)
+from utils.step_model import (bucketed_all_reduce_seconds, compute_seconds, efficiency,
+                              halving_doubling_all_reduce_seconds, hierarchical_all_reduce_seconds,
+                              ring_all_reduce_seconds, scaling_efficiency, step_seconds)
 
 
 def test_ring_seed_figures():
@@ -21,10 +21,10 @@ def test_ring_latency_and_single_rank():
         ring_all_reduce_seconds(1, 0, 0, 1)
 
 
-def test_tree_and_hierarchical():
-    assert tree_all_reduce_seconds(0, 1024, 1e-5, 1e9) == pytest.approx(2 * 10 * 1e-5)
-    assert tree_all_reduce_seconds(0, 1000, 1e-5, 1e9) == pytest.approx(2 * 10 * 1e-5)   # ⌈log₂ 1000⌉ = 10
-    assert tree_all_reduce_seconds(5, 1, 1, 1) == 0.0
+def test_halving_doubling_and_hierarchical():
+    assert halving_doubling_all_reduce_seconds(0, 1024, 1e-5, 1e9) == pytest.approx(2 * 10 * 1e-5)
+    assert halving_doubling_all_reduce_seconds(0, 1000, 1e-5, 1e9) == pytest.approx(2 * 10 * 1e-5)   # ⌈log₂ 1000⌉ = 10
+    assert halving_doubling_all_reduce_seconds(5, 1, 1, 1) == 0.0
     # 16 ranks, 8 per node: intra ring of 8 on M, inter ring of 2 on M/8
     t = hierarchical_all_reduce_seconds(800.0, 16, 8, 1.0, 100.0, 10.0, 1.0)
     assert t == pytest.approx(2 * 7 * (1.0 + 100 / 100.0) + 2 * 1 * (10.0 + 50 / 1.0))
@@ -47,3 +47,21 @@ def test_efficiencies():
     assert efficiency(0.100, 0.025, overlap=0.5) == 1.0
     assert scaling_efficiency(720e3, 100e3, 8) == pytest.approx(0.9)
     assert compute_seconds(1e9, 1000, 6e12) == pytest.approx(1.0)
+
+
+def test_halving_doubling_latency_grows_as_log2():
+    # 2⌈log₂ N⌉ latencies: 20 at 1,000 ranks, 28 at 10,000 (a ring: 1,998 and 19,998)
+    assert halving_doubling_all_reduce_seconds(0, 1000, 1.0, 1.0) == pytest.approx(20.0)
+    assert halving_doubling_all_reduce_seconds(0, 10000, 1.0, 1.0) == pytest.approx(28.0)
+    assert ring_all_reduce_seconds(0, 10000, 1.0, 1.0) == pytest.approx(19998.0)
+
+
+def test_bucketed():
+    # 10 bytes in buckets of 4: two full buckets and one of 2, each a ring of 2 ranks (2 messages)
+    t = bucketed_all_reduce_seconds(10, 4, 2, 1.0, 1.0)
+    assert t == pytest.approx(2 * (2 * (1 + 2)) + 2 * (1 + 1))
+    assert bucketed_all_reduce_seconds(8, 4, 2, 1.0, 1.0) == pytest.approx(2 * ring_all_reduce_seconds(4, 2, 1.0, 1.0))
+    assert bucketed_all_reduce_seconds(10, 4, 1000, 1.0, 1e9, halving_doubling_all_reduce_seconds) == pytest.approx(
+        3 * 20.0, rel=1e-6)
+    with pytest.raises(ValueError):
+        bucketed_all_reduce_seconds(10, 0, 2, 1.0, 1.0)

@@ -7,14 +7,15 @@
 `overlap` is the fraction of the compute time during which communication can run alongside it (the backward
 pass is about 2/3 of forward + backward, so overlap ≤ 2/3 is the usual ceiling; 0 = all-reduce after backward).
 `alpha` is seconds per message, `bandwidth` bytes per second (per rank, each direction). The same α–β costs as
-lesson 03's fit and as utils.simlink's simulated link, so runs on that link check this model.
+lesson 03's fit and as utils.simlink's simulated link: a run on that link cannot test the α–β formula (the link
+sleeps it), only how compute and communication combine — overlap, the buckets, host overhead.
 """
 from __future__ import annotations
 
 import math
 
-__all__ = ["ring_all_reduce_seconds", "tree_all_reduce_seconds", "hierarchical_all_reduce_seconds",
-           "step_seconds", "efficiency", "scaling_efficiency", "compute_seconds"]
+__all__ = ["ring_all_reduce_seconds", "halving_doubling_all_reduce_seconds", "hierarchical_all_reduce_seconds",
+           "bucketed_all_reduce_seconds", "step_seconds", "efficiency", "scaling_efficiency", "compute_seconds"]
 
 
 def ring_all_reduce_seconds(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
@@ -24,12 +25,13 @@ def ring_all_reduce_seconds(nbytes: float, n: int, alpha: float, bandwidth: floa
     return 2 * (n - 1) * (alpha + nbytes / n / bandwidth)
 
 
-def tree_all_reduce_seconds(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """2·⌈log₂ n⌉·α + 2(n−1)/n·nbytes/bandwidth: what recursive halving and doubling achieves when n is a power
-    of two (log₂ n halving steps of a reduce-scatter, then log₂ n doubling steps of an all-gather); other n need
-    a few extra steps, so for them it is optimistic. Both terms are near the limits: any all-reduce needs at
-    least ⌈log₂ n⌉ rounds of messages (latency ≥ ⌈log₂ n⌉·α), and each rank must send and receive 2(n−1)/n of
-    the data. Not a model of NCCL's pipelined double binary tree."""
+def halving_doubling_all_reduce_seconds(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
+    """Recursive halving-doubling: 2·⌈log₂ n⌉·α + 2(n−1)/n·nbytes/bandwidth. Exact when n is a power of two
+    (log₂ n halving steps of a reduce-scatter, then log₂ n doubling steps of an all-gather); other n need a few
+    extra steps, so for them it is optimistic. The latency grows as log₂ n (20α at 1,000 ranks, 28α at 10,000),
+    far slower than a ring's 2(n−1)α. Both terms are near the limits: any all-reduce needs at least ⌈log₂ n⌉
+    rounds of messages, and each rank must send and receive 2(n−1)/n of the data. Not a model of NCCL's
+    pipelined double binary tree."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if n == 1:
@@ -48,6 +50,16 @@ def hierarchical_all_reduce_seconds(nbytes: float, n: int, per_node: int, alpha_
     intra = ring_all_reduce_seconds(nbytes, per_node, alpha_intra, bandwidth_intra)   # reduce-scatter + all-gather
     inter = ring_all_reduce_seconds(nbytes / per_node, nodes, alpha_inter, bandwidth_inter)
     return intra + inter
+
+
+def bucketed_all_reduce_seconds(nbytes: float, bucket: float, n: int, alpha: float, bandwidth: float,
+                                allreduce=ring_all_reduce_seconds) -> float:
+    """All-reduce `nbytes` as DDP does, in buckets of `bucket` bytes (the last one holds the rest), one
+    `allreduce(bucket_bytes, n, alpha, bandwidth)` after another: each bucket pays its own latency term."""
+    if bucket <= 0:
+        raise ValueError(f"bucket must be > 0 bytes, got {bucket}")
+    full, rest = divmod(nbytes, bucket)
+    return full * allreduce(bucket, n, alpha, bandwidth) + (allreduce(rest, n, alpha, bandwidth) if rest else 0.0)
 
 
 def step_seconds(compute: float, comm: float, overlap: float = 0.0) -> float:
