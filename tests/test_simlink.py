@@ -1,4 +1,7 @@
-"""utils.simlink: FIFO timing (α + bytes/bandwidth per message), ring all-reduce cost, sync start, no busy wait."""
+"""utils.simlink: FIFO timing (α + bytes/bandwidth per message), ring all-reduce cost, last-issuer start, exact
+results, async and queued handles, the DDP hook, no busy wait, no shared memory left behind, bad input."""
+import math
+import os
 import sys
 import time
 
@@ -8,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import utils
-from utils.simlink import SimulatedLink, allreduce_hook, ring_messages
+from utils.launching import LaunchError
+from utils.simlink import _PREFIX, SimulatedLink, allreduce_hook, ring_messages
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # rank functions travel by value, as from a notebook
 
@@ -58,11 +62,52 @@ def test_ring_messages():
         ring_messages(10, 0)
 
 
-def test_bad_link_settings_are_refused():
-    with pytest.raises(ValueError):
-        SimulatedLink(alpha=-1, bandwidth=1)
-    with pytest.raises(ValueError):
-        SimulatedLink(alpha=0, bandwidth=0)
+def test_bad_input_is_refused_with_a_clear_error():
+    for alpha, bandwidth in [(-1, 1), (0, 0), (math.nan, 1), (math.inf, 1), (0, -5)]:
+        with pytest.raises(ValueError, match="alpha"):
+            SimulatedLink(alpha=alpha, bandwidth=bandwidth)
+    with pytest.raises(TypeError, match="number"):
+        SimulatedLink(alpha="1ms", bandwidth=1e9)
+    link = SimulatedLink(alpha=0.0, bandwidth=1e9)
+    for nbytes in (-1, math.nan, "10"):
+        with pytest.raises(ValueError, match="nbytes"):
+            link.send(nbytes)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        link.all_reduce([1.0, 2.0])
+    with pytest.raises(RuntimeError, match="utils.launch"):
+        link.all_reduce(torch.ones(2))                    # no process group in this process
+    link.alpha = -0.5                                     # changed between operations: checked at the next one
+    with pytest.raises(ValueError, match="alpha"):
+        link.send(10)
+    link.alpha = 0.0
+    link.close()
+    link.close()                                          # closing twice is harmless
+    with pytest.raises(RuntimeError, match="closed"):
+        link.send(10)
+
+
+def test_queued_handles_complete_in_order_no_sooner_than_their_end():
+    link = SimulatedLink(alpha=0.02, bandwidth=1e9)
+    works = [link.send(1000, async_op=True) for _ in range(3)]
+    assert not works[0].is_completed()                    # 20 ms to go
+    works[2].wait()                                       # waiting the last completes the earlier ones too
+    link.close()
+    for before, after in zip(works, works[1:]):
+        assert after.start == before.end
+    for w in works:
+        assert w.is_completed() and w.done >= w.end
+
+
+def test_a_future_outside_backward_completes_at_the_modelled_end():
+    link = SimulatedLink(alpha=0.05, bandwidth=1e9)
+    work = link.send(0, async_op=True)
+    future = work.get_future()                            # completed by the link's helper thread
+    future.wait()
+    done = time.perf_counter()
+    link.close()
+    assert future.value() is None                         # a send carries no data
+    assert work.end - work.start == pytest.approx(0.05, abs=1e-9)
+    assert work.end <= work.done <= done
 
 
 def _ring(late_rank_delay):
@@ -89,62 +134,166 @@ def test_all_reduce_is_exact_costs_the_ring_and_starts_with_the_last_rank():
         assert r["done"] >= r["end"]
 
 
+class _LoggingLink(SimulatedLink):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.log = []
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False):
+        work = super().all_reduce(tensor, op, async_op=True)
+        self.log.append(work)
+        if async_op:
+            return work
+        work.wait()
+
+
 def _ddp_through_link():
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    link = SimulatedLink(alpha=0.05, bandwidth=1e9)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 4))
+    ddp = utils.compat.ddp(model, bucket_cap_mb=1e-4, forward_sync_buffers=False)   # tiny cap (after step 1)
+    link = _LoggingLink(0.02, 1e9)
     ddp.register_comm_hook(link, allreduce_hook)
-    x = torch.full((2, 8), float(dist.get_rank() + 1))
-    start = time.perf_counter()
-    ddp(x).sum().backward()
-    elapsed = time.perf_counter() - start
+    steps = []
+    for step in range(2):                                 # DDP rebuilds its buckets after the first step
+        link.log.clear()
+        x = torch.full((2, 8), float(dist.get_rank() + 1 + step))
+        ddp(x).sum().backward()
+        returned = time.perf_counter()
+        steps.append({"returned": returned, "ops": [(w.start, w.end, w.done) for w in link.log],
+                      "grads": [p.grad.clone() for p in model.parameters()]})
+        model.zero_grad()
     link.close()
-    return model.weight.grad.clone(), elapsed
+    return steps
 
 
-def test_ddp_comm_hook_averages_through_the_link():
-    (g0, t0), (g1, t1) = utils.launch(_ddp_through_link, world_size=2)
-    expected = torch.full((4, 8), 2 * (1.0 + 2.0) / 2)       # d/dW sum(Wx) = sum over the 2 rows of x; averaged
-    assert torch.equal(g0, expected) and torch.equal(g1, expected)
-    assert min(t0, t1) >= 2 * 0.05                            # one bucket, ring of 2: 2 messages of α each at least
+def _reference_grads(step):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 4))
+    x = torch.cat([torch.full((2, 8), float(rank + 1 + step)) for rank in range(2)])
+    (model(x).sum() / 2).backward()                       # the average of the 2 ranks' gradients
+    return [p.grad for p in model.parameters()]
+
+
+def test_ddp_comm_hook_averages_through_the_link_no_sooner_than_the_model():
+    runs = utils.launch(_ddp_through_link, world_size=2)
+    for step in range(2):
+        expected = _reference_grads(step)
+        for r in runs:
+            s = r[step]
+            for got, want in zip(s["grads"], expected):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert len(s["ops"]) >= (1 if step == 0 else 2)   # one initial bucket; rebuilt: several
+            for (start, end, done), (next_start, _, _) in zip(s["ops"], s["ops"][1:]):
+                assert next_start >= end                  # FIFO
+            for start, end, done in s["ops"]:
+                assert end - start == pytest.approx(2 * 0.02, abs=1e-5)   # 2 messages of α (+ a few bytes)
+                assert done >= end                        # the future completed no sooner than the model
+            assert s["returned"] >= max(end for _, end, _ in s["ops"])
+    for a, b in zip(runs[0][1]["grads"], runs[1][1]["grads"]):
+        assert torch.equal(a, b)                          # the same averaged gradient on both ranks
 
 
 def _late_real_all_reduce(real_seconds):
-    # the real collective takes `real_seconds` longer than the link's rule: its handle's wait() is slowed down
+    # the real collective takes `real_seconds` longer than the link's rule: it is not complete until then
     real_all_reduce = dist.all_reduce
 
     class Late:
         def __init__(self, work):
-            self.work = work
+            self.work, self.ready = work, time.perf_counter() + real_seconds
+
+        def is_completed(self):
+            return time.perf_counter() >= self.ready and self.work.is_completed()
 
         def wait(self):
-            time.sleep(real_seconds)
+            time.sleep(max(0.0, self.ready - time.perf_counter()))
             return self.work.wait()
 
-    def slow_data(tensor, *args, **kwargs):
-        work = real_all_reduce(tensor, *args, **kwargs)
-        return Late(work) if tensor.dtype == torch.float32 else work   # the float64 issue clock stays fast
-
-    link = SimulatedLink(alpha=0.05, bandwidth=1e9)          # 100 ms: room for a descheduled rank
-    dist.all_reduce = slow_data
+    link = SimulatedLink(alpha=0.05, bandwidth=1e9)
+    dist.all_reduce = lambda *args, **kwargs: Late(real_all_reduce(*args, **kwargs))
     try:
         first = link.all_reduce(torch.ones(4), async_op=True)
-        second = link.send(1000, async_op=True)                # queued right behind it
+        second = link.send(1000, async_op=True)           # queued right behind it
         first.wait()
         done = time.perf_counter()
     finally:
         dist.all_reduce = real_all_reduce
     second.wait()
     link.close()
-    return {"start": first.start, "end": first.end, "handle_done": first.done, "done": done,
+    return {"issued": first.issued, "start": first.start, "end": first.end, "handle_done": first.done, "done": done,
             "next_start": second.start, "next_done": second.done}
 
 
 def test_a_late_real_operation_delays_its_waiters_but_not_the_links_schedule():
     for r in utils.launch(_late_real_all_reduce, 0.4, world_size=2):
         assert r["end"] - r["start"] == pytest.approx(2 * (0.05 + 8 / 1e9), abs=1e-9)    # the record: the rule's
-        assert r["handle_done"] - r["start"] >= 0.4           # but wait() returned only after the real 400 ms
-        assert r["handle_done"] <= r["done"]                  # recorded before wait() returned
-        assert r["next_start"] == r["end"]                    # the network's FIFO: behind the rule's end,
-        assert r["next_done"] >= r["handle_done"]             # not behind the host's lateness; done in order
+        assert r["handle_done"] - r["issued"] >= 0.4      # but wait() returned only after the real 400 ms
+        assert r["handle_done"] <= r["done"]              # recorded before wait() returned
+        assert r["next_start"] == r["end"]                # the network's FIFO: behind the rule's end,
+        assert r["next_done"] >= r["handle_done"]         # not behind the host's lateness; done in order
+
+
+def _queued_collectives_and_sends():
+    rank = dist.get_rank()
+    link = SimulatedLink(alpha=0.01, bandwidth=1e9)
+    tensors = [torch.full((1000,), float(rank + 1) * (i + 1)) for i in range(5)]
+    if rank == 1:
+        time.sleep(0.05)                                  # rank 1 issues everything 50 ms later
+    issued = time.perf_counter()
+    works = []
+    for i, t in enumerate(tensors):
+        works.append(link.all_reduce(t, async_op=True))
+        if i == 2:
+            works.append(link.send(4000, async_op=True))  # a message of this rank's own, in the queue
+    polled = works[0].is_completed()
+    for w in works:
+        w.wait()
+    link.close()
+    return {"issued": issued, "polled": polled, "sums": [t[0].item() for t in tensors],
+            "ops": [(w.start, w.end, w.done) for w in works]}
+
+
+def test_queued_all_reduces_are_exact_fifo_and_start_with_the_last_issuer():
+    runs = utils.launch(_queued_collectives_and_sends, world_size=2)
+    last_issue = max(r["issued"] for r in runs)
+    for r in runs:
+        assert r["sums"] == [3.0 * (i + 1) for i in range(5)]
+        assert not r["polled"]                            # 20 ms of link time were still ahead
+        ops = r["ops"]
+        assert ops[0][0] >= last_issue                    # the first all-reduce waits for the late rank
+        for (start, end, done), (next_start, _, _) in zip(ops, ops[1:]):
+            assert next_start == end                      # back to back: each queues behind the previous
+        for i, (start, end, done) in enumerate(ops):
+            own = 0.01 + 4000 / 1e9 if i == 3 else 2 * (0.01 + 2000 / 1e9)
+            assert end - start == pytest.approx(own, abs=1e-9)
+            assert done >= end
+    assert runs[0]["ops"][0][:2] == runs[1]["ops"][0][:2]  # both ranks agree on the collective's schedule
+
+
+def _shared_files(pid):
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return [] if folder is None else [n for n in os.listdir(folder) if n.startswith(f"{_PREFIX}{pid}-")]
+
+
+def _link_then(die, pid_file):
+    if dist.get_rank() == 0:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+    link = SimulatedLink(alpha=0.001, bandwidth=1e9)
+    link.all_reduce(torch.ones(4))
+    during = _shared_files(os.getpid())
+    if die and dist.get_rank() == 1:
+        os._exit(3)                                       # a rank dies with the link open
+    if die:
+        link.all_reduce(torch.ones(4))                    # rank 0 waits for the dead rank
+    link.close()
+    return during
+
+
+def test_no_shared_memory_is_left_after_close_or_after_a_rank_dies(tmp_path):
+    pid_file = tmp_path / "pid"
+    runs = utils.launch(_link_then, False, str(pid_file), world_size=2)
+    assert runs == [[], []]                               # removed as soon as both ranks mapped it
+    assert _shared_files(pid_file.read_text()) == []
+    with pytest.raises(LaunchError):
+        utils.launch(_link_then, True, str(pid_file), world_size=2, timeout=60)
+    assert _shared_files(pid_file.read_text()) == []
