@@ -76,7 +76,7 @@ FULL_INNER = [('self.shard = self.optimizer_cls([{**options, "params": mine}], *
                'self.shard = self.optimizer_cls([{**options, "params": group["params"]}], **self.kwargs)'),
               ('self.shard.add_param_group({**options, "params": mine})',
                'self.shard.add_param_group({**options, "params": group["params"]})'),
-              ("        self.shard.step()                      # skips parameters whose .grad is None\n",
+              ("        self.shard.step(**kwargs)              # skips parameters whose .grad is None\n",
                "        had = {p for g in self.param_groups for p in g['params'] if p.grad is not None}\n"
                "        for p in had:\n"
                "            if self.owner[p] != self.rank:\n"
