@@ -1,7 +1,12 @@
 """Lab 3's verdicts (utils/tools/grade/verdicts/lab3_sharded_optimizer.py) through the checker.
 
-The lab's reference solution earns every part; an optimizer that keeps the whole state and never communicates
-earns only the training part (its parameters are right), and one that skips the synchronisation earns nothing.
+Each kind of submission is graded three times (fresh random cases and values each time) and must earn the same
+parts every time: the reference every part; a split by position (parameter i to rank i mod N) all but
+sharded_state (the contract asks for a size-balanced split); an inner optimizer over every parameter, with the
+gradients of the parameters a rank does not own set to None, all but sharded_state; one that ignores a learning
+rate changed in param_groups mid-run all but param_groups; torch's ZeroRedundancyOptimizer nothing; an optimizer
+that keeps the whole state and never communicates training and param_groups; one that skips the synchronisation
+nothing.
 """
 import re
 import shutil
@@ -17,6 +22,7 @@ from utils.tools.release import read_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ["training", "sharded_state", "synchronisation", "param_groups"]
+GRADINGS = 3
 
 FULL_STATE = '''class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_cls, **kwargs):
@@ -31,8 +37,55 @@ FULL_STATE = '''class ShardedOptimizer(torch.optim.Optimizer):
             self.inner.add_param_group(dict(self.param_groups[-1]))
 
     def step(self, closure=None):
+        for group, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update({k: v for k, v in group.items() if k != "params"})
         self.inner.step()
 '''
+
+ZERO = '''from torch.distributed.optim import ZeroRedundancyOptimizer
+
+class ShardedOptimizer(ZeroRedundancyOptimizer):
+    def __init__(self, params, optimizer_cls, **kwargs):
+        super().__init__(params, optimizer_cls, **kwargs)
+'''
+
+
+def reference_source():
+    nb = read_notebook(ROOT / "labs" / "lab3_sharded_optimizer.ipynb")
+    return next(c.source for c in nb.cells
+                if c.metadata.get("nbgrader", {}).get("grade_id") == "sharded_optimizer_code")
+
+
+def edited(*replacements):
+    """The reference solution cell with each (old, new) replaced (each old must be there)."""
+    source = reference_source()
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    return source
+
+
+INDEX_SPLIT = (  # parameter i of the group list to rank i mod N: right values, unbalanced on some models
+    'for p in sorted(group["params"], key=lambda p: -p.numel()):',
+    'for p in group["params"]:')
+INDEX_OWNER = ("owner = min(range(self.world_size), key=lambda r: self.loads[r])",
+               "owner = len(self.owner) % self.world_size")
+# One inner optimizer over every parameter; before its step, the gradients of parameters this rank does not own
+# are set to None, so it creates state only for the shard's (for every optimizer but Adagrad).
+FULL_INNER = [('self.shard = self.optimizer_cls([{**options, "params": mine}], **self.kwargs)',
+               'self.shard = self.optimizer_cls([{**options, "params": group["params"]}], **self.kwargs)'),
+              ('self.shard.add_param_group({**options, "params": mine})',
+               'self.shard.add_param_group({**options, "params": group["params"]})'),
+              ("        self.shard.step(**kwargs)              # skips parameters whose .grad is None\n",
+               "        had = {p for g in self.param_groups for p in g['params'] if p.grad is not None}\n"
+               "        for p in had:\n"
+               "            if self.owner[p] != self.rank:\n"
+               "                p.grad = None\n"
+               "        self.shard.step()\n"),
+              ("                if p.grad is not None:         # without a gradient it did not change",
+               "                if p in had:")]
+IGNORES_LR = ('shard_group.update({k: v for k, v in group.items() if k != "params"})   # e.g. a scheduler\'s lr',
+              "pass")
 
 
 def lab_cells(solution=None, skip_sync=False):
@@ -55,14 +108,37 @@ def judge(cells):
     return checker.check(job)["parts"]
 
 
-def test_the_reference_earns_every_part():
-    parts = judge(lab_cells())
-    assert all(parts[p]["passed"] for p in PARTS), parts
+KINDS = {
+    "reference": (lambda: lab_cells(), set(PARTS), ""),
+    "index split": (lambda: lab_cells(edited(INDEX_SPLIT, INDEX_OWNER)), set(PARTS) - {"sharded_state"},
+                    "the split is unbalanced"),
+    "full inner, None gradients": (lambda: lab_cells(edited(*FULL_INNER)), set(PARTS) - {"sharded_state"},
+                                   "hold all"),
+    "ignores a mid-run lr change": (lambda: lab_cells(edited(IGNORES_LR)), set(PARTS) - {"param_groups"},
+                                    "copy every group's options"),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_kind_earns_the_same_parts_on_every_grading(kind):
+    make_cells, passing, message = KINDS[kind]
+    cells = make_cells()
+    earned = []
+    for _ in range(GRADINGS):   # fresh random cases and values each time
+        parts = judge(cells)
+        earned.append({p for p in PARTS if parts[p]["passed"]})
+        for p in set(PARTS) - passing:
+            assert message in parts[p]["message"], parts[p]["message"]
+    points = {"training": 4, "sharded_state": 2, "synchronisation": 2, "param_groups": 2}
+    print(f"{kind}: points over {GRADINGS} gradings: {[sum(points[p] for p in e) for e in earned]}, "
+          f"parts missed: {[sorted(set(PARTS) - e) for e in earned]}")
+    assert earned == [passing] * GRADINGS, earned
 
 
 @pytest.mark.parametrize("cells, passing", [
     (lambda: lab_cells(FULL_STATE), {"training", "param_groups"}),
     (lambda: lab_cells(skip_sync=True), set()),
+    (lambda: lab_cells(ZERO), set()),
 ])
 def test_wrong_optimizers_lose_the_parts_they_break(cells, passing):
     parts = judge(cells())
@@ -85,4 +161,5 @@ def test_random_tied_models_tie_equal_widths():
 
 def test_note_names_everything_measured_in_the_ranks():
     from utils.tools.grade.verdicts import lab3_sharded_optimizer as verdicts
-    assert all(word in verdicts.NOTE for word in ("Optimizer-state bytes", "torch.optim.Optimizer", "param_groups"))
+    assert all(word in verdicts.NOTE for word in ("Optimizer-state bytes", "inner optimizers hold",
+                                                  "ZeroRedundancyOptimizer", "zero_grad", "param_groups"))

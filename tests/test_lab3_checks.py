@@ -56,8 +56,11 @@ class InnerInAList(FullState):
 
 
 class Sharded(torch.optim.Optimizer):
-    """Whole parameters round-robin; `sync` says how the updates reach the other ranks."""
+    """Whole parameters round-robin (by position: unbalanced on some models); `sync` says how the updates reach
+    the other ranks; `follow_options`: copy each group's options (a scheduler's lr) into the inner groups."""
     sync = "broadcast"
+    follow_options = True
+    split = "index"
 
     def __init__(self, params, optimizer_cls, **kwargs):
         self.rank, self.n = dist.get_rank(), dist.get_world_size()
@@ -67,8 +70,15 @@ class Sharded(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for p in group["params"]:
-            self.owner[p] = len(self.owner) % self.n
+        if self.split == "index":
+            for p in group["params"]:
+                self.owner[p] = len(self.owner) % self.n
+        else:   # largest first, to the rank with the fewest trainable elements so far
+            loads = [sum(q.numel() for q, r in self.owner.items() if r == rank and q.requires_grad)
+                     for rank in range(self.n)]
+            for p in sorted(group["params"], key=lambda p: -p.numel()):
+                self.owner[p] = min(range(self.n), key=loads.__getitem__)
+                loads[self.owner[p]] += p.numel() if p.requires_grad else 0
         mine = {**group, "params": [p for p in group["params"] if self.owner[p] == self.rank]}
         if self.inner is None:
             self.inner = self.optimizer_cls([mine], **self.kwargs)
@@ -77,6 +87,9 @@ class Sharded(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.follow_options:
+            for group, inner in zip(self.param_groups, self.inner.param_groups):
+                inner.update({k: v for k, v in group.items() if k != "params"})
         self.inner.step()
         for group in self.param_groups:
             for p in group["params"]:
@@ -91,6 +104,20 @@ class Sharded(torch.optim.Optimizer):
 
 class NoSync(Sharded):
     sync = None
+
+
+class BySize(Sharded):
+    split = "size"
+
+
+class IgnoresLearningRateChanges(BySize):
+    """Builds the inner groups with the options given at construction and never looks at param_groups again."""
+    follow_options = False
+
+
+class ClearsItsShardOnly(BySize):
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none)
 
 
 class AveragesParameters(Sharded):
@@ -127,14 +154,79 @@ def test_stubs_say_not_implemented():
 
 def test_full_state_passes_training_but_not_the_state_check():
     lab3.check_training(FullState, world_sizes=(2,), models=(lab3.PLAIN,))
-    _fails(r"rank 0: holds 33,432 bytes of optimizer state, at most 29,008 allowed \(1/2 of the unsharded 33,432 "
-           r"\+ 12,292 for the largest parameter\) — all of it: every rank keeps state for every parameter",
+    _fails(r"rank 0: the optimizers your class keeps hold all 4,176 trainable elements in their param_groups \(at "
+           r"most 3,624 allowed: 1/2 \+ the largest parameter's 1,536\)",
            lab3.check_sharded_state, FullState, world_sizes=(2,), models=(lab3.PLAIN,), optimizers=(lab3.ADAMW,))
 
 
 def test_state_found_inside_containers():
-    _fails(r"rank 0: holds 33,432 bytes of optimizer state.* — all of it", lab3.check_sharded_state, InnerInAList,
+    _fails(r"rank 0: the optimizers your class keeps hold all", lab3.check_sharded_state, InnerInAList,
            world_sizes=(2,), models=(lab3.PLAIN,), optimizers=(lab3.ADAMW,))
+
+
+class StateOutsideTheInner(BySize):
+    """A balanced inner optimizer, plus a copy of every parameter kept in the outer optimizer's own state."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["copy"] = p.detach().clone()
+
+
+def test_state_kept_beside_the_inner_optimizer_counts():
+    _fails(r"rank 0: holds [\d,]+ bytes of optimizer state.* Keep optimizer state only in the inner optimizer",
+           lab3.check_sharded_state, StateOutsideTheInner, world_sizes=(2,), models=(lab3.DEEP,),
+           optimizers=(lab3.SGD,))
+
+
+def test_a_split_by_position_is_unbalanced_at_every_world_size():
+    # lab3.UNEVEN: equal large tensors 6 positions apart; DEEP: many equal ones, an index split balanced at N = 3.
+    for n in (2, 3, 4):
+        _fails(r"the split is unbalanced: this rank's inner optimizer holds .* balance by size instead, e\.g\. take "
+               r"the parameters largest first", lab3.check_sharded_state, Sharded, world_sizes=(n,),
+               models=(lab3.UNEVEN,), optimizers=(lab3.SGD,))
+    lab3.check_sharded_state(BySize, world_sizes=(2, 3, 4), optimizers=(lab3.SGD,))
+
+
+class NoneForTheOthers(torch.optim.Optimizer):
+    """One inner optimizer over every parameter; before its step the gradients of the parameters another rank owns
+    are set to None, so it creates state for this rank's only (except Adagrad, which creates it for all)."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.rank, self.n = dist.get_rank(), dist.get_world_size()
+        self.optimizer_cls, self.kwargs, self.owner, self.loads, self.inner = optimizer_cls, kwargs, {}, None, None
+        super().__init__(params, kwargs)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self.loads = self.loads or [0] * self.n
+        for p in sorted(group["params"], key=lambda p: -p.numel()):
+            self.owner[p] = min(range(self.n), key=self.loads.__getitem__)
+            self.loads[self.owner[p]] += p.numel()
+        if self.inner is None:
+            self.inner = self.optimizer_cls([dict(group)], **self.kwargs)
+        else:
+            self.inner.add_param_group(dict(group))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        had = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for p in had:
+            if self.owner[p] != self.rank:
+                p.grad = None
+        self.inner.step()
+        for p in had:
+            dist.broadcast(p, src=self.owner[p])
+
+
+def test_an_inner_optimizer_over_every_parameter_fails_whatever_state_it_creates():
+    lab3.check_training(NoneForTheOthers, world_sizes=(2,), models=(lab3.FROZEN,), optimizers=(lab3.ADAMW,))
+    _fails(r"hold all 13,664 trainable elements.*even if it creates state only for the parameters you leave a "
+           r"gradient", lab3.check_sharded_state, NoneForTheOthers, world_sizes=(2,), models=(lab3.DEEP,),
+           optimizers=(lab3.ADAMW,))
 
 
 def test_full_state_without_communication_misses_the_perturbation():
@@ -178,15 +270,18 @@ def test_judges_are_pure_functions_of_plain_data():
     assert all(torch.equal(a, b) for a, b in zip(lab3.pack_inputs(case, lab3.unpack_inputs(
         case, lab3.pack_inputs(case, inputs))), lab3.pack_inputs(case, inputs)))
     reference = lab3.reference_run(case, inputs)
-    fine = dict(is_optimizer=True, params=reference["params"], state_bytes=0, group_sizes=[4])
+    fine = dict(is_optimizer=True, params=reference["params"], state_bytes=0, held=0, group_sizes=[4])
     assert lab3.judge_training(case, 2, [fine, fine], reference) == []
     assert lab3.judge_synchronisation(case, 2, [fine, fine], reference) == []
     stale = {**fine, "params": [reference["init"], reference["params"][1]]}
     assert "not updated" in lab3.judge_training(case, 2, [fine, stale], reference)[0]
     total, largest = reference["state_bytes"], reference["largest"]
-    assert lab3.judge_state(case, 2, [total // 2, total - total // 2], reference) == []
-    assert "all of it" in lab3.judge_state(case, 2, [total, total], reference)[0]
-    assert "far less than the unsharded" in lab3.judge_state(case, 2, [0, 0], reference)[0]
+    ranks = lambda *nbytes, held=0: [dict(fine, state_bytes=b, held=held) for b in nbytes]  # noqa: E731
+    assert lab3.judge_state(case, 2, ranks(total // 2, total - total // 2), reference) == []
+    assert "all of it" in lab3.judge_state(case, 2, ranks(total, total), reference)[0]
+    assert "far less than the unsharded" in lab3.judge_state(case, 2, ranks(0, 0), reference)[0]
+    assert "hold all" in lab3.judge_state(case, 2, ranks(total // 2, total // 2, held=reference["trainable"]),
+                                          reference)[0]
     assert lab3.state_bound(reference, 2) == total / 2 + largest
 
 
@@ -197,6 +292,49 @@ def test_frozen_parameters_state_is_not_counted():
     optimizer = torch.optim.Adagrad([trainable, frozen], lr=0.1)
     assert len(optimizer.state) == 2
     assert lab3.state_bytes(optimizer) == 10 * 4 + 4   # the trainable parameter's sum and its step counter
+
+
+def test_a_learning_rate_changed_in_param_groups_must_reach_the_inner_optimizer():
+    lab3.check_training(IgnoresLearningRateChanges, world_sizes=(2,), models=(lab3.PLAIN,), optimizers=(lab3.SGD,))
+    _fails(r"every group's lr was multiplied by 0\.5 in optimizer\.param_groups before step 4 .* copy every "
+           r"group's options", lab3.check_param_groups, IgnoresLearningRateChanges, world_sizes=(2,),
+           models=(lab3.PLAIN,), optimizers=(lab3.SGD,))
+
+
+def test_groups_at_construction_keep_their_options():
+    # decay groups: AdamW's weight decay on matrices only; an inner optimizer built from the options given to
+    # the constructor (not each group's) decays the biases too
+    class OneOptionSet(BySize):
+        def add_param_group(self, param_group):
+            super().add_param_group(param_group)
+            for inner in self.inner.param_groups:
+                inner.update(self.kwargs)
+        follow_options = False
+    _fails(r"layers\.0\.bias", lab3.check_param_groups, OneOptionSet, world_sizes=(2,), models=(lab3.PLAIN,),
+           optimizers=(lab3.ADAMW,))
+
+
+def test_zero_grad_must_clear_every_gradient():
+    _fails(r"after optimizer\.zero_grad\(\), \d+ parameters still hold a nonzero \.grad", lab3.check_param_groups,
+           ClearsItsShardOnly, world_sizes=(2,), models=(lab3.PLAIN,), optimizers=(lab3.SGD,))
+
+
+class WrapsTorchs(torch.optim.Optimizer):
+    """Keeps torch's own ZeroRedundancyOptimizer inside: right values, state sharded, and not allowed."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        super().__init__(params, kwargs)
+        self.inner = ZeroRedundancyOptimizer([p for g in self.param_groups for p in g["params"]], optimizer_cls,
+                                             **kwargs)
+
+    def step(self, closure=None):
+        self.inner.step()
+
+
+def test_zero_redundancy_optimizer_is_not_allowed():
+    _fails(r"is, or keeps, torch\.distributed\.optim\.ZeroRedundancyOptimizer: this lab asks you to write what it "
+           r"does", lab3.check_training, WrapsTorchs, world_sizes=(2,), models=(lab3.PLAIN,), optimizers=(lab3.SGD,))
 
 
 # ------------------------------------------------------------------ reviewers' leftovers

@@ -1,26 +1,29 @@
 """Lab 3's checks (labs/lab3_sharded_optimizer.ipynb): a sharded optimizer (ZeRO stage 1).
 
-The contract: `ShardedOptimizer(params, optimizer_cls, **kwargs)` is a `torch.optim.Optimizer`; each rank
-keeps optimizer state only for its shard of the parameters; `step()` updates that shard with
-`optimizer_cls(**kwargs)` and synchronises the parameters, so every rank ends the step with the parameters
-one unsharded `optimizer_cls` would produce. Gradients arrive already averaged over the ranks (as DDP leaves
-them); parameters without a gradient are left alone; `add_param_group` works mid-training.
+The contract: `ShardedOptimizer(params, optimizer_cls, **kwargs)` is a `torch.optim.Optimizer`; each rank's
+inner optimizers hold only its shard of the parameters, balanced by size, and keep state only for it; `step()`
+copies each group's options (a scheduler's lr) into the inner groups, updates the shard with
+`optimizer_cls(**kwargs)` and synchronises the parameters, so every rank ends the step with the parameters one
+unsharded `optimizer_cls` would produce. Gradients arrive already averaged over the ranks (as DDP leaves them);
+parameters without a gradient are left alone; several groups at construction, `add_param_group` mid-training and
+`zero_grad()` work. torch's own ZeroRedundancyOptimizer is not allowed (no part passes with it).
 
 Each check prints one ✓ line per world size, saying what it verified, or raises a `LabCheckFailure` that says
 what to fix (rank, parameter, step, expected vs got):
   check_training(ShardedOptimizer)        parameters after every step = the unsharded optimizer's
-  check_sharded_state(ShardedOptimizer)   each rank's optimizer state ≤ 1/N of the unsharded + the largest parameter's
+  check_sharded_state(ShardedOptimizer)   each rank's inner optimizers hold ≤ 1/N of the trainable elements, and
+                                          its state ≤ 1/N of the unsharded, each + the largest parameter's
   check_synchronisation(ShardedOptimizer) one rank's parameters perturbed before a step: identical again after it
-  check_param_groups(ShardedOptimizer)    add_param_group mid-training, with its own learning rate
+  check_param_groups(ShardedOptimizer)    two groups at construction, add_param_group mid-training with its own
+                                          lr, every lr changed in param_groups mid-run, zero_grad()
 
 Three layers, so that a grader can judge in a process that runs no student code:
   1. what a rank runs (`run_cases`, student code inside): it returns plain data only (see `run_case`);
   2. the reference (`reference_run`): the unsharded optimizer in one process, from the case and its inputs;
-  3. the judges (`judge_training`, `judge_state`, `judge_synchronisation`): pure functions of
+  3. the judges (`judge_training`, `judge_state`, `judge_synchronisation`, `judge_groups`): pure functions of
      (case, world size, the ranks' data, the reference) returning a list of problems (empty: passed).
-A case is plain data (model spec, optimizer name and options, steps, seed); its inputs (initial parameters,
-each step's gradients, a perturbation) are tensors drawn from a generator (`make_inputs`), so a grader can
-draw them where students cannot predict them.
+Cases and their inputs are plain data and tensors (lab3_cases.py), so a grader can draw the inputs where
+students cannot predict them.
 """
 from __future__ import annotations
 
@@ -30,133 +33,15 @@ import torch.distributed as dist
 from .. import launching
 from ..checks import check
 from ..memory import unique_storage_bytes
-from .harness import TIMEOUT, fmt, report, run_on_ranks
+from .harness import TIMEOUT, report, run_on_ranks
+from .lab3_cases import (ADAMW, DEEP, FROZEN, GROUP, LR_CHANGE, MODELS, OPTIMIZERS, PLAIN, SGD, STEPS,  # noqa: F401
+                         TIED, UNEVEN, LabModel, build_model, decay_groups, describe_optimizer, gradient_names,
+                         label, make_case, make_inputs, names, optimizer_class, options, pack_inputs,
+                         unpack_inputs)
+from .lab3_judges import (ATOL, RTOL, SEEN_SHARE, close, first_difference, held_bound, judge_groups,  # noqa: F401
+                          judge_state, judge_synchronisation, judge_training, state_bound)
 
 WORLD_SIZES = (2, 4)
-STEPS = 10
-RTOL, ATOL = 1e-5, 1e-7   # the same elementwise update in another layout agrees to round-off
-SEEN_SHARE = 0.9          # the ranks' state together: at least this share of the unsharded (fewer step counters
-                          # in a flat layout hold a little less; state kept out of sight, nothing)
-
-
-# ------------------------------------------------------------------ the models and optimizers (plain data)
-
-class LabModel(torch.nn.Module):
-    """Parameters shaped like a tiny language model's: embedding, linear layers, a head.
-
-    spec: vocab, widths (embedding width, then each layer's output width), tied (head weight = embedding),
-    frozen (names of parameters with requires_grad=False), unused (names of trainable parameters that never
-    get a gradient, as if forward did not use them). The checks never run forward: they hand every rank the
-    gradients (the same on every rank, as DDP leaves them).
-    """
-
-    def __init__(self, spec):
-        super().__init__()
-        widths = spec["widths"]
-        self.wte = torch.nn.Embedding(spec["vocab"], widths[0])
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
-        self.head = torch.nn.Linear(widths[-1], spec["vocab"], bias=False)
-        if spec.get("tied"):
-            if widths[0] != widths[-1]:
-                raise ValueError(f"a tied model needs the head's input width = the embedding's, got widths {widths}")
-            self.head.weight = self.wte.weight  # one Parameter under two names
-        for name, p in self.named_parameters():
-            if name in spec.get("frozen", ()):
-                p.requires_grad_(False)
-
-
-PLAIN = dict(name="plain", vocab=16, widths=[32, 48, 32])
-FROZEN = dict(name="frozen and unused", vocab=16, widths=[32, 48, 48, 32],
-              frozen=["layers.0.weight", "layers.1.bias"], unused=["layers.2.weight", "layers.2.bias"])
-TIED = dict(name="tied", vocab=16, widths=[32, 48, 32], tied=True)
-MODELS = (PLAIN, FROZEN, TIED)
-ADAMW = ("AdamW", dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1))
-SGD = ("SGD", dict(lr=5e-2, momentum=0.9))
-OPTIMIZERS = (ADAMW, SGD)
-GROUP = dict(names=["wte.weight"], options=dict(lr=2e-2), step=3)   # added before step 3 with its own lr
-
-
-def make_case(model, optimizer, steps=STEPS, seed=0, perturb=None, add_group=None):
-    """One case, as plain data. perturb: dict(step, rank); add_group: dict(names, options, step)."""
-    name, options = optimizer
-    return dict(model=dict(model), optimizer=name, options=dict(options), steps=steps, seed=seed,
-                perturb=perturb, add_group=add_group)
-
-
-def build_model(spec):
-    return LabModel(spec)
-
-
-def optimizer_class(case):
-    return getattr(torch.optim, case["optimizer"])
-
-
-def options(values):
-    """Optimizer options as torch wants them (a case that travelled as JSON has lists for tuples)."""
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-
-
-def describe_optimizer(case):
-    options = ", ".join(f"{k}={v}" for k, v in case["options"].items())
-    return f"{case['optimizer']}({options})"
-
-
-def names(spec):
-    """Every parameter's name, as model.named_parameters() gives them (a tied parameter once)."""
-    return [name for name, _ in build_model(spec).named_parameters()]
-
-
-def gradient_names(spec):
-    """The parameters that get a gradient: trainable and used."""
-    return [name for name, p in build_model(spec).named_parameters()
-            if p.requires_grad and name not in spec.get("unused", ())]
-
-
-def label(spec, name):
-    """A parameter's name, with what is special about it."""
-    if spec.get("tied") and name == "wte.weight":
-        return "wte.weight (tied: also head.weight)"
-    if name in spec.get("frozen", ()):
-        return f"{name} (frozen)"
-    if name in spec.get("unused", ()):
-        return f"{name} (no gradient)"
-    return name
-
-
-def make_inputs(case, draw=None):
-    """The case's tensors: init {name: tensor}, grads [{name: tensor} per step], perturbation {name: tensor}.
-
-    `draw(shape)` gives float32 values spread over [-1, 1] (default: uniform, from a generator seeded by the
-    case; a grader passes its own unpredictable source). Gradients are O(1): every trainable parameter moves in
-    every step, and no element's update hangs on round-off.
-    """
-    if draw is None:
-        g = torch.Generator().manual_seed(7919 * case["seed"] + 1)
-        draw = lambda shape: torch.rand(shape, generator=g) * 2 - 1  # noqa: E731
-    shapes = {name: p.shape for name, p in build_model(case["model"]).named_parameters()}
-    init = {name: 0.5 * draw(shape) for name, shape in shapes.items()}
-    trained = gradient_names(case["model"])
-    grads = [{name: draw(shapes[name]) for name in trained} for _ in range(case["steps"])]
-    perturbation = {name: 0.1 * draw(shapes[name]) for name in trained} if case.get("perturb") else {}
-    return dict(init=init, grads=grads, perturbation=perturbation)
-
-
-def pack_inputs(case, inputs):
-    """The inputs as one list of tensors in a fixed order (what a grader sends to a rank)."""
-    every, trained = names(case["model"]), gradient_names(case["model"])
-    return ([inputs["init"][n] for n in every] + [step[n] for step in inputs["grads"] for n in trained]
-            + [inputs["perturbation"][n] for n in trained if inputs["perturbation"]])
-
-
-def unpack_inputs(case, tensors):
-    """pack_inputs, undone."""
-    every, trained = names(case["model"]), gradient_names(case["model"])
-    tensors = list(tensors)
-    init = dict(zip(every, tensors[:len(every)]))
-    rest = tensors[len(every):]
-    grads = [dict(zip(trained, rest[s * len(trained):(s + 1) * len(trained)])) for s in range(case["steps"])]
-    rest = rest[case["steps"] * len(trained):]
-    return dict(init=init, grads=grads, perturbation=dict(zip(trained, rest)) if case.get("perturb") else {})
 
 
 # ------------------------------------------------------------------ 1. what runs on every rank
@@ -172,18 +57,67 @@ def _optimizers_in(value, found, depth=3):
     return found
 
 
-def state_bytes(optimizer):
-    """Bytes of the tensors in `optimizer.state` and in the state of every optimizer it holds as an attribute
-    (directly, or inside lists, tuples and dicts): what this rank keeps as optimizer state."""
+def _kept_optimizers(optimizer):
+    """`optimizer` and every optimizer it keeps as an attribute (directly, or inside lists, tuples and dicts)."""
     optimizers = [optimizer]
     for value in vars(optimizer).values():
         _optimizers_in(value, optimizers)
+    return optimizers
+
+
+def state_bytes(optimizer):
+    """Bytes of the tensors in `optimizer.state` and in the state of every optimizer it holds as an attribute
+    (directly, or inside lists, tuples and dicts): what this rank keeps as optimizer state."""
     # Only trainable parameters' state counts, here and in the unsharded reference: some optimizers (Adagrad)
     # create state for every parameter they are given, frozen ones included, which is no sharding question.
-    tensors = [v for o in optimizers for param, state in getattr(o, "state", {}).items()
+    tensors = [v for o in _kept_optimizers(optimizer) for param, state in getattr(o, "state", {}).items()
                if isinstance(state, dict) and getattr(param, "requires_grad", True)
                for v in state.values() if torch.is_tensor(v)]
     return unique_storage_bytes(tensors)
+
+
+def held_elements(optimizer, model):
+    """Elements of the tensors in the param_groups of the inner optimizers (those `optimizer` keeps as
+    attributes; not its own param_groups, which rightly list every parameter): what this rank's inner
+    optimizers would keep state for. The model's frozen parameters do not count (they never get state); a
+    tensor of the student's own (a flat shard) counts whole."""
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    seen = {}
+    for inner in _kept_optimizers(optimizer)[1:]:
+        for group in getattr(inner, "param_groups", []):
+            for t in group.get("params", []) if isinstance(group, dict) else []:
+                if torch.is_tensor(t) and id(t) not in frozen:
+                    seen[id(t)] = t.numel()
+    return sum(seen.values())
+
+
+def uses_zero_redundancy(optimizer):
+    """Whether the optimizer is, or keeps, torch's own ZeroRedundancyOptimizer (which this lab asks you to write)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return any(isinstance(o, ZeroRedundancyOptimizer) for o in _kept_optimizers(optimizer))
+
+
+def _construct(Optimizer, case, named):
+    """The optimizer as the case builds it: one group of every parameter not added later, or the case's groups."""
+    added = (case.get("add_group") or {}).get("names", ())
+    if case.get("groups"):
+        params = [{"params": [named[n] for n in g["names"]], **options(g["options"])} for g in case["groups"]]
+    else:
+        params = [p for name, p in named.items() if name not in added]
+    if Optimizer is None:
+        return optimizer_class(case)(params, **options(case["options"]))
+    return Optimizer(params, optimizer_class(case), **options(case["options"]))
+
+
+def _before_step(optimizer, case, named, step):
+    """What the case does to the optimizer before `step`: add a group, change every group's lr."""
+    group = case.get("add_group")
+    if group and step == group["step"]:
+        optimizer.add_param_group({"params": [named[n] for n in group["names"]], **options(group["options"])})
+    change = case.get("lr_change")
+    if change and step == change["step"]:
+        for g in optimizer.param_groups:   # as a learning-rate scheduler does
+            g["lr"] = g["lr"] * change["factor"]
 
 
 def run_case(Optimizer, case, inputs, device=None):
@@ -194,23 +128,23 @@ def run_case(Optimizer, case, inputs, device=None):
       is_optimizer  isinstance(optimizer, torch.optim.Optimizer)
       params        per step {name: tensor} after optimizer.step()
       state_bytes   bytes of optimizer state on this rank after the last step (see `state_bytes`)
+      held          elements the inner optimizers hold in their param_groups after the last step (`held_elements`)
+      zero_redundancy  whether it is or keeps torch's ZeroRedundancyOptimizer
+      grads_left    parameters with a nonzero .grad after optimizer.zero_grad(), not counting those in no group
+                    yet (the most over the steps; 0 when the case calls no zero_grad)
       group_sizes   [len(group["params"]) for each of optimizer.param_groups] after the last step
     """
     rank = dist.get_rank()
     device = device or launching.device()
-    spec = case["model"]
-    model = build_model(spec).to(device)
+    model = build_model(case["model"]).to(device)
     named = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in named.items():
             p.copy_(inputs["init"][name])
-    group = case.get("add_group") or {}
-    first = [p for name, p in named.items() if name not in group.get("names", ())]
-    optimizer = Optimizer(first, optimizer_class(case), **options(case["options"]))
-    params = []
+    optimizer = _construct(Optimizer, case, named)
+    params, grads_left = [], 0
     for step in range(case["steps"]):
-        if group and step == group["step"]:
-            optimizer.add_param_group({"params": [named[n] for n in group["names"]], **options(group["options"])})
+        _before_step(optimizer, case, named, step)
         for name, p in named.items():
             grad = inputs["grads"][step].get(name)
             p.grad = None if grad is None else grad.to(device).clone()
@@ -221,8 +155,16 @@ def run_case(Optimizer, case, inputs, device=None):
                     named[name].add_(noise.to(device))
         optimizer.step()
         params.append({name: p.detach().clone().cpu() for name, p in named.items()})
+        if case.get("zero_grad"):
+            optimizer.zero_grad()
+            group = case.get("add_group") or {}
+            pending = group.get("names", ()) if step < group.get("step", 0) else ()   # in no group yet
+            grads_left = max(grads_left, sum(p.grad is not None and bool(p.grad.any())
+                                             for name, p in named.items() if name not in pending))
     is_optimizer = isinstance(optimizer, torch.optim.Optimizer)
     return dict(is_optimizer=is_optimizer, params=params, state_bytes=state_bytes(optimizer),
+                held=held_elements(optimizer, model), zero_redundancy=uses_zero_redundancy(optimizer),
+                grads_left=grads_left,
                 group_sizes=[len(g["params"]) for g in optimizer.param_groups] if is_optimizer else [])
 
 
@@ -237,27 +179,27 @@ def reference_run(case, inputs):
     """The unsharded optimizer in one process on the same inputs (no perturbation).
 
     Returns dict(init={name: tensor} before step 0, params=[{name: tensor} per step], state_bytes=total bytes
-    of optimizer state after the last step, largest=`largest_state`, group_sizes).
+    of optimizer state after the last step, largest=`largest_state`, trainable and largest_elements (elements
+    of the trainable parameters, all and the largest one's), group_sizes).
     """
     model = build_model(case["model"])
     named = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in named.items():
             p.copy_(inputs["init"][name])
-    group = case.get("add_group") or {}
-    optimizer = optimizer_class(case)([p for n, p in named.items() if n not in group.get("names", ())],
-                                      **options(case["options"]))
+    optimizer = _construct(None, case, named)
     params = []
     for step in range(case["steps"]):
-        if group and step == group["step"]:
-            optimizer.add_param_group({"params": [named[n] for n in group["names"]], **options(group["options"])})
+        _before_step(optimizer, case, named, step)
         for name, p in named.items():
             p.grad = inputs["grads"][step].get(name)
             p.grad = None if p.grad is None else p.grad.clone()
         optimizer.step()
         params.append({name: p.detach().clone() for name, p in named.items()})
+    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     return dict(init=dict(inputs["init"]), params=params, state_bytes=sum(_per_parameter_state(optimizer)),
-                largest=largest_state(case), group_sizes=[len(g["params"]) for g in optimizer.param_groups])
+                largest=largest_state(case), trainable=sum(trainable), largest_elements=max(trainable, default=0),
+                group_sizes=[len(g["params"]) for g in optimizer.param_groups])
 
 
 def _per_parameter_state(optimizer):
@@ -275,129 +217,6 @@ def largest_state(case):
     optimizer = optimizer_class(case)(model.parameters(), **options(case["options"]))
     optimizer.step()
     return max(_per_parameter_state(optimizer), default=0)
-
-
-# ------------------------------------------------------------------ 3. the judges (pure functions)
-
-def close(got, want):
-    return got.shape == want.shape and torch.allclose(got.double(), want.double(), rtol=RTOL, atol=ATOL)
-
-
-def first_difference(got, want):
-    diff = (got.double() - want.double()).abs()
-    i = int(diff.flatten().argmax())
-    return (f"max |diff| {diff.max().item():.3g} at element {i}: expected {fmt(want.flatten()[i].item())}, "
-            f"got {fmt(got.flatten()[i].item())}")
-
-
-def _diagnose(got, want, before, step, nobody=False):
-    """Why a parameter differs from the unsharded optimizer's after a step (`nobody`: no rank updated it)."""
-    if got is None:
-        return "missing"
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    if nobody and not torch.equal(before, want) and torch.equal(got, before):
-        return (f"not updated in this step on any rank (every rank still holds its value from before step "
-                f"{step}): no rank's inner optimizer updated it. Is it in the param_groups of the inner optimizer "
-                "of the rank that owns it? A group added with add_param_group must reach the inner optimizer "
-                "too (give the owner its share of the new group), and step() must call the inner optimizer's "
-                f"step() ({first_difference(got, want)})")
-    if not torch.equal(before, want) and torch.equal(got, before):
-        return (f"not updated in this step (it still holds its value from before step {step}): the rank that "
-                f"owns it updated it, but the new value never reached this rank — synchronise after the "
-                f"shard's update ({first_difference(got, want)})")
-    if torch.equal(before, want):
-        return (f"changed in step {step}, which leaves it unchanged (it has no gradient, or is in no parameter "
-                f"group yet): skip parameters whose .grad is None ({first_difference(got, want)})")
-    return first_difference(got, want)
-
-
-def _not_an_optimizer(results):
-    return [f"rank {rank}: ShardedOptimizer(...) is not a torch.optim.Optimizer: subclass it and call "
-            "super().__init__(params, defaults)" for rank, r in enumerate(results) if not r["is_optimizer"]][:1]
-
-
-def judge_training(case, world_size, results, reference, steps=None):
-    """Problems with the parameters after each step (all steps, or the first `steps`), rank by rank.
-
-    Stops at the first step with a wrong parameter (later steps start from wrong values).
-    """
-    problems = _not_an_optimizer(results)
-    if problems:
-        return problems
-    spec = case["model"]
-    for step in range(case["steps"] if steps is None else steps):
-        want_step = reference["params"][step]
-        before = reference["params"][step - 1] if step else reference["init"]
-        stale = {name for name in want_step if all(
-            isinstance(r["params"][step].get(name), torch.Tensor) and torch.equal(r["params"][step][name], before[name])
-            for r in results)}   # no rank holds a new value
-        for rank, r in enumerate(results):
-            for name, want in want_step.items():
-                got = r["params"][step].get(name)
-                if got is not None and close(got, want):
-                    continue
-                problems.append(f"rank {rank}, step {step}, {label(spec, name)}: "
-                                f"{_diagnose(got, want, before[name], step, nobody=name in stale)}")
-        if problems:
-            return problems
-    return problems
-
-
-def state_bound(reference, world_size):
-    """At most 1/N of the unsharded optimizer's state plus the state of its largest parameter."""
-    return reference["state_bytes"] / world_size + reference["largest"]
-
-
-def judge_state(case, world_size, state_bytes, reference):
-    """Problems with each rank's optimizer state: `state_bytes` is one number per rank."""
-    bound, total = state_bound(reference, world_size), reference["state_bytes"]
-    problems = []
-    for rank, held in enumerate(state_bytes):
-        if held > bound:
-            whole = " — all of it: every rank keeps state for every parameter" if held >= total else ""
-            problems.append(f"rank {rank}: holds {held:,} bytes of optimizer state, at most {bound:,.0f} allowed "
-                            f"(1/{world_size} of the unsharded {total:,} + {reference['largest']:,} for the "
-                            f"largest parameter){whole}. Build the inner optimizer on this rank's shard only.")
-    if not problems and sum(state_bytes) < SEEN_SHARE * total:
-        problems.append(f"the ranks hold {sum(state_bytes):,} bytes of optimizer state together, far less than "
-                        f"the unsharded {total:,}: the checks see the state in optimizer.state and in the state "
-                        "of any torch.optim.Optimizer your optimizer keeps as an attribute (or inside a list, "
-                        "tuple or dict attribute): keep the shard's optimizer there")
-    return problems
-
-
-def judge_synchronisation(case, world_size, results, reference):
-    """Problems after a perturbation: every rank's parameters must be identical (bytes) after each step from
-    the perturbed one on; before it, equal to the reference."""
-    problems = judge_training(case, world_size, results, reference, steps=case["perturb"]["step"])
-    if problems:
-        return problems
-    spec, victim = case["model"], case["perturb"]["rank"]
-    for step in range(case["perturb"]["step"], case["steps"]):
-        for rank, r in enumerate(results[1:], start=1):
-            for name, want in results[0]["params"][step].items():
-                got = r["params"][step][name]
-                if not torch.equal(got, want):
-                    why = (" (the perturbed rank)" if rank == victim else "")
-                    problems.append(
-                        f"rank {rank}{why}, step {step}, {label(spec, name)}: differs from rank 0's after the step "
-                        f"({first_difference(got, want)}; rank 0's value is 'expected'). Rank {victim}'s parameters "
-                        f"were perturbed before step {case['perturb']['step']}: step() must leave every rank "
-                        "holding the owner's values (broadcast or all-gather every parameter from the rank "
-                        "that updated it), not trust that the ranks still agree")
-        if problems:
-            return problems
-    return problems
-
-
-def judge_groups(case, world_size, results, reference):
-    """Problems with param_groups after add_param_group: one group per call, every parameter in one group."""
-    want = reference["group_sizes"]
-    return [f"rank {rank}: optimizer.param_groups holds groups of {r['group_sizes']} parameters, expected "
-            f"{want}: call super().add_param_group(group) in your add_param_group, so param_groups lists every "
-            "parameter (schedulers and zero_grad() use it)" for rank, r in enumerate(results)
-            if r["is_optimizer"] and r["group_sizes"] != want][:1]
 
 
 # ------------------------------------------------------------------ the visible checks
@@ -437,9 +256,10 @@ def check_training(Optimizer, world_sizes=WORLD_SIZES, models=MODELS, optimizers
                     f"optimizer's on every rank (rtol {RTOL:.0e}), models {names_}")
 
 
-def check_sharded_state(Optimizer, world_sizes=WORLD_SIZES, models=(PLAIN, FROZEN), optimizers=OPTIMIZERS,
+def check_sharded_state(Optimizer, world_sizes=WORLD_SIZES, models=(DEEP, UNEVEN), optimizers=OPTIMIZERS,
                         steps=2, timeout=TIMEOUT, seed=0):
-    """Each rank's optimizer state ≤ 1/N of the unsharded optimizer's + the state of its largest parameter."""
+    """Each rank's inner optimizers hold ≤ 1/N of the trainable elements + the largest parameter's, and its
+    optimizer state is ≤ 1/N of the unsharded optimizer's + the state of its largest parameter."""
     cases = [make_case(m, o, steps=steps, seed=seed + i) for i, (m, o) in
              enumerate((m, o) for o in optimizers for m in models)]
     for n in world_sizes:
@@ -448,11 +268,17 @@ def check_sharded_state(Optimizer, world_sizes=WORLD_SIZES, models=(PLAIN, FROZE
         for case, case_inputs, case_results in zip(cases, inputs, results):
             reference = reference_run(case, case_inputs)
             report(_what(case), n, judge_training(case, n, case_results, reference))
+            report(_what(case) + ", optimizer state", n, judge_state(case, n, case_results, reference))
             held = [r["state_bytes"] for r in case_results]
-            report(_what(case) + ", optimizer state", n, judge_state(case, n, held, reference))
-            shares.append(max(held) / reference["state_bytes"])
-        check(True, f"sharded state at N={n}: every rank holds at most 1/N of the unsharded optimizer's state "
-                    f"plus its largest parameter's (here at most {max(shares):.0%} of it; 1/N = {1 / n:.0%})")
+            rank = max(range(n), key=held.__getitem__)
+            shares.append((held[rank] / reference["state_bytes"], rank, case, reference))
+        share, rank, case, reference = max(shares, key=lambda s: s[0])
+        check(True, f"sharded state at N={n}: every rank's inner optimizers hold at most 1/N of the trainable "
+                    "elements plus the largest parameter's, and its optimizer state at most 1/N of the unsharded "
+                    f"plus the largest parameter's; your largest share: rank {rank}, "
+                    f"{share:.0%} of the state ('{case['model']['name']}', {case['optimizer']}; allowed "
+                    f"{state_bound(reference, n) / reference['state_bytes']:.0%} = 1/{n} + "
+                    f"{reference['largest'] / reference['state_bytes']:.0%})")
 
 
 def check_synchronisation(Optimizer, world_sizes=WORLD_SIZES, model=PLAIN, optimizer=ADAMW, steps=4, at_step=2,
@@ -467,9 +293,13 @@ def check_synchronisation(Optimizer, world_sizes=WORLD_SIZES, model=PLAIN, optim
 
 
 def check_param_groups(Optimizer, world_sizes=WORLD_SIZES, models=(PLAIN, TIED), optimizers=OPTIMIZERS,
-                       group=GROUP, steps=6, timeout=TIMEOUT, seed=0):
-    """add_param_group before step group["step"], with its own options: parameters = the unsharded optimizer's."""
-    cases = [make_case(m, o, steps=steps, seed=seed + i, add_group=group) for i, (m, o) in
+                       group=GROUP, lr_change=LR_CHANGE, steps=6, timeout=TIMEOUT, seed=0):
+    """Built with two groups (matrices with weight decay, vectors without), a group added before
+    group["step"] with options of its own, every lr changed in param_groups before lr_change["step"], and
+    zero_grad() after every step: parameters = the unsharded optimizer's, param_groups lists every group,
+    zero_grad() clears every gradient."""
+    cases = [make_case(m, o, steps=steps, seed=seed + i, add_group=group, lr_change=lr_change, zero_grad=True,
+                       groups=decay_groups(m, leave_out=group["names"])) for i, (m, o) in
              enumerate((m, o) for o in optimizers for m in models)]
     for n in world_sizes:
         inputs, results = _run(Optimizer, cases, n, timeout)
@@ -479,6 +309,8 @@ def check_param_groups(Optimizer, world_sizes=WORLD_SIZES, models=(PLAIN, TIED),
             report(what, n, judge_training(case, n, case_results, reference))
             report(what, n, judge_groups(case, n, case_results, reference))
         options = ", ".join(f"{k}={v}" for k, v in group["options"].items())
-        check(True, f"param groups at N={n}: {', '.join(group['names'])} added with {options} before step "
-                    f"{group['step']}; parameters after {steps} steps = the unsharded optimizer's, param_groups "
-                    "lists every group")
+        check(True, f"param groups at N={n}: built with 2 groups (matrices with weight decay, vectors without), "
+                    f"{', '.join(group['names'])} added with {options} before step {group['step']}, every lr × "
+                    f"{lr_change['factor']:g} in param_groups before step {lr_change['step']}; parameters after "
+                    f"{steps} steps = the unsharded optimizer's, param_groups lists every group, zero_grad() "
+                    "clears every gradient")

@@ -1,20 +1,26 @@
 """Lab 3's verdicts (labs/lab3_sharded_optimizer.ipynb): the four graded parts, judged where no student code runs.
 
     training         parameters after every step = the unsharded optimizer's, N = 2, 3, 4
-    sharded_state    each rank's optimizer state ≤ 1/N of the unsharded + the largest parameter's (and right values)
-    synchronisation  the last rank's parameters perturbed before a step: every rank identical, byte for byte, after it
-    param_groups     add_param_group mid-training with options of its own: parameters = the unsharded optimizer's
+    sharded_state    each rank's inner optimizers hold ≤ 1/N of the trainable elements + the largest parameter's,
+                     and its optimizer state ≤ 1/N of the unsharded + the largest parameter's (and right values)
+    synchronisation  a rank's parameters perturbed before a step: every rank identical, byte for byte, after it
+    param_groups     two groups at construction, add_param_group mid-training with options of its own, every lr
+                     changed in param_groups mid-run, zero_grad(): parameters = the unsharded optimizer's
 
 Each world size gets fresh cases: a model drawn from the checker's rng (widths, vocabulary, tied or not, which
 parameters are frozen or get no gradient) and an optimizer class with options drawn from a list broader than the
-notebook's; every initial value, gradient and perturbation is drawn from os.urandom and sent to the ranks. A
-rank runs the student's ShardedOptimizer through lab 3's own `run_case` and sends back its parameters after
-every step as raw tensors, and its optimizer-state bytes as a number. The checker runs the unsharded optimizer
-itself (`lab3.reference_run`) and judges with lab 3's judges.
+notebook's; every initial value, gradient and perturbation is drawn from os.urandom and sent to the ranks.
+Beside the random cases, every grading at every N has fixed ones that separate the usual kinds of solution
+(`_state_cases`, `_group_cases`), so a submission earns the same points on every grading. A rank runs the
+student's ShardedOptimizer through lab 3's own `run_case` and sends back its parameters after every step as raw
+tensors, and what it measured as numbers. The checker runs the unsharded optimizer itself (`lab3.reference_run`)
+and judges with lab 3's judges.
 
-The state bytes, whether the class is a torch.optim.Optimizer and the sizes of its param_groups are measured
-inside the rank processes, which also run the student's code: they are advisory against deliberate tampering
-(NOTE says so in every feedback). Parameters are values: judged in the checker.
+The state bytes, the elements the inner optimizers hold, whether the class is a torch.optim.Optimizer (and not
+torch's ZeroRedundancyOptimizer, which the lab asks students to write), the gradients left after zero_grad() and
+the sizes of its param_groups are measured inside the rank processes, which also run the student's code: they
+are advisory against deliberate tampering (NOTE says so in every feedback). Parameters are values: judged in the
+checker.
 """
 from __future__ import annotations
 
@@ -30,9 +36,10 @@ WORLD_SIZES = (2, 3, 4)
 # a verdict step gets 40 s (about 5× that), a cell 60 s (the lab's own deadlock report comes after
 # check_timeout = 30 s), each of the two runs 240 s. An endless loop costs about a minute.
 LIMITS = {"timeout": 240, "cell_timeout": 60, "verdict_timeout": 40}
-NOTE = ("Optimizer-state bytes, whether your class is a torch.optim.Optimizer, and the sizes of its param_groups "
-        "are measured inside your own rank processes (which also run your code): they catch mistakes, and are "
-        "advisory against deliberate tampering.")
+NOTE = ("Optimizer-state bytes, the elements your inner optimizers hold, whether your class is a "
+        "torch.optim.Optimizer (and not torch's ZeroRedundancyOptimizer), the gradients zero_grad() leaves and the "
+        "sizes of its param_groups are measured inside your own rank processes (which also run your code): they "
+        "catch mistakes, and are advisory against deliberate tampering.")
 OPTIMIZERS = [("AdamW", dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
               ("SGD", dict(lr=5e-2, momentum=0.9)),
               ("Adam", dict(lr=3e-3, betas=(0.8, 0.99))),
@@ -52,8 +59,9 @@ def run_optimizer(namespace, params, inputs):
     names = lab3.names(case["model"])   # one float32 row per step: every parameter flattened, in name order
     outputs = [torch.stack([torch.cat([step[name].reshape(-1).float() for name in names])
                             for step in result["params"]])]
-    measured = {"state_bytes": int(result["state_bytes"]), "is_optimizer": int(bool(result["is_optimizer"])),
-                "groups": len(result["group_sizes"])}
+    measured = {"state_bytes": int(result["state_bytes"]), "held": int(result["held"]),
+                "zero_redundancy": int(bool(result["zero_redundancy"])), "grads_left": int(result["grads_left"]),
+                "is_optimizer": int(bool(result["is_optimizer"])), "groups": len(result["group_sizes"])}
     measured.update({f"group {i}": int(size) for i, size in enumerate(result["group_sizes"])})
     return outputs, measured
 
@@ -81,26 +89,43 @@ def _model(rng, name):
     return spec
 
 
-def _case(n, rng, label, steps, perturb=False, add_group=False, optimizer=None):
-    spec = _model(rng, label)
+def _case(n, rng, label, steps, perturb=False, add_group=False, optimizer=None, spec=None, groups=False,
+          change=None):
+    """One case at world size n: a random model (or `spec`), its inputs from os.urandom. add_group (True: a
+    random parameter or two, or dict(names, step, options)) added mid-run, and every lr changed in param_groups
+    at another step (`change`, else random), with zero_grad() after every step; groups: built with two groups
+    (matrices with weight decay, vectors without)."""
+    spec = spec or _model(rng, label)
     name, options = optimizer or rng.choice(OPTIMIZERS)
-    group = None
-    if add_group:
+    group = add_group if isinstance(add_group, dict) else None
+    if add_group and not group:
         trained = lab3.gradient_names(spec)
         group = dict(names=rng.sample(trained, rng.randint(1, 2)), step=rng.randint(1, steps - 2),
                      options=dict(lr=options["lr"] * rng.choice([0.5, 2.0, 3.0])))
+    if add_group and not change:
+        change = dict(step=rng.choice([s for s in range(1, steps) if s != group["step"]]),
+                      factor=rng.choice([0.1, 0.5, 2.0]))
     case = lab3.make_case(spec, (name, options), steps=steps, seed=0,
                           perturb=dict(step=rng.randint(1, steps - 2), rank=rng.randrange(1, n)) if perturb else None,
-                          add_group=group)
+                          add_group=group, lr_change=change, zero_grad=add_group,
+                          groups=lab3.decay_groups(spec, leave_out=group["names"] if group else ()) if groups else None)
     case = {**case, "options": {k: list(v) if isinstance(v, tuple) else v for k, v in case["options"].items()}}
     inputs = lab3.make_inputs(case, _draw)
     packed = lab3.pack_inputs(case, inputs)
-    label = f"model of widths {spec['widths']}" + (", tied" if spec["tied"] else "") + \
-        f", {lab3.describe_optimizer(case)}"
+    label = (f"model '{spec['name']}'" if spec["name"] in FIXED else f"model of widths {spec['widths']}") + \
+        (", tied" if spec.get("tied") else "") + f", {lab3.describe_optimizer(case)}"
+    if groups:
+        label += ", built with 2 groups (weight decay on matrices only)"
     if add_group:
-        label += f", {group['names']} added before step {group['step']}"
+        label += (f", {group['names']} added before step {group['step']}, every lr × {change['factor']:g} before "
+                  f"step {change['step']}, zero_grad() after every step")
     return Case(label, case, [[t.clone() for t in packed] for _ in range(n)],
                 {"inputs": inputs, "reference": lab3.reference_run(case, inputs)})
+
+
+# Fixed models in every grading, at every N (their values are still drawn fresh): lab 3's UNEVEN, on which a split
+# by position breaks the size bound at N = 2, 3 and 4; DEEP, many similar-sized tensors; PLAIN, for param groups.
+FIXED = {lab3.UNEVEN["name"], lab3.DEEP["name"], lab3.PLAIN["name"]}
 
 
 def _training_cases(n, rng):
@@ -109,8 +134,12 @@ def _training_cases(n, rng):
 
 
 def _state_cases(n, rng):
-    return [_case(n, rng, f"random {i}", steps=2, optimizer=optimizer)
-            for i, optimizer in enumerate([OPTIMIZERS[0], rng.choice(OPTIMIZERS[1:])])]
+    # Whatever is drawn, every grading has the UNEVEN model (an index split fails it) and an Adagrad case (the one
+    # optimizer here that creates state for parameters without a gradient); what the inner optimizers hold is
+    # judged in every case, so an inner optimizer over every parameter fails each one.
+    return [_case(n, rng, "uneven", steps=2, optimizer=OPTIMIZERS[0], spec=lab3.UNEVEN),
+            _case(n, rng, "deep", steps=2, optimizer=OPTIMIZERS[5], spec=lab3.DEEP),
+            _case(n, rng, "random", steps=2, optimizer=rng.choice(OPTIMIZERS))]
 
 
 def _synchronisation_cases(n, rng):
@@ -118,7 +147,11 @@ def _synchronisation_cases(n, rng):
 
 
 def _group_cases(n, rng):
-    return [_case(n, rng, "random", steps=6, add_group=True)]
+    # A fixed case in every grading: two groups at construction, wte.weight added before step 2, every lr halved
+    # before step 4, zero_grad() after every step; then a random model with a random group, change and steps.
+    fixed = _case(n, rng, "plain", steps=6, optimizer=OPTIMIZERS[0], spec=lab3.PLAIN, groups=True,
+                  add_group=dict(names=["wte.weight"], step=2, options=dict(lr=2e-2)), change=dict(step=4, factor=0.5))
+    return [fixed, _case(n, rng, "random", steps=6, add_group=True, groups=rng.random() < 0.5)]
 
 
 # ------------------------------------------------------------------ in the checker: judging
@@ -138,7 +171,9 @@ def _rank_results(case, results):
                       for row in rows]
         groups = [int(r.measured.get(f"group {i}", -1)) for i in range(int(r.measured.get("groups", 0)))]
         out.append(dict(is_optimizer=bool(r.measured.get("is_optimizer", 1)), params=params,
-                        state_bytes=r.measured.get("state_bytes", 0), group_sizes=groups))
+                        state_bytes=r.measured.get("state_bytes", 0), held=r.measured.get("held", 0),
+                        zero_redundancy=bool(r.measured.get("zero_redundancy", 0)),
+                        grads_left=r.measured.get("grads_left", 0), group_sizes=groups))
     return out
 
 
@@ -153,7 +188,7 @@ def _judge(kind):
         if problems:
             return problems
         if kind == "sharded_state":
-            return lab3.judge_state(params, n, [r["state_bytes"] for r in ranks], reference)
+            return lab3.judge_state(params, n, ranks, reference)
         if kind == "param_groups":
             return lab3.judge_groups(params, n, ranks, reference)
         return []
@@ -167,12 +202,16 @@ PARTS = {
                         "random models (tied, frozen, unused parameters), AdamW, SGD and another optimizer, fresh "
                         "random values"),
     "sharded_state": OnRanks(run_optimizer, WORLD_SIZES, _state_cases, _judge("sharded_state"), _WHAT,
-                             "each rank holds at most 1/N of the unsharded optimizer state plus the largest "
-                             "parameter's, N = 2, 3, 4, random models"),
+                             "each rank's inner optimizers hold at most 1/N of the trainable elements plus the "
+                             "largest parameter's, and its optimizer state at most 1/N of the unsharded plus the "
+                             "largest parameter's, N = 2, 3, 4, lab 3's uneven and deep models (AdamW, Adagrad) "
+                             "and a random one"),
     "synchronisation": OnRanks(run_optimizer, WORLD_SIZES, _synchronisation_cases, _judge("synchronisation"), _WHAT,
                                "a rank perturbed before a step holds every other rank's parameters, byte for byte, "
                                "after it, N = 2, 3, 4"),
     "param_groups": OnRanks(run_optimizer, WORLD_SIZES, _group_cases, _judge("param_groups"), _WHAT,
-                            "add_param_group mid-training with its own learning rate: parameters = the unsharded "
-                            "optimizer's, param_groups lists every group, N = 2, 3, 4"),
+                            "two groups at construction, add_param_group mid-training with its own learning rate, "
+                            "every lr changed in param_groups mid-run, zero_grad() after every step: parameters = "
+                            "the unsharded optimizer's, param_groups lists every group, zero_grad() clears every "
+                            "gradient, N = 2, 3, 4"),
 }
