@@ -599,7 +599,8 @@ def check_accumulation(Wrapper, world_sizes=WORLD_SIZES, models=(PLAIN, TIED), b
             report(what, n, judge_traffic(case, n, results))
             report(what, n, judge_waits(case, n, results))
         names = ", ".join(f"'{m['name']}'" for m in models)
-        check(True, f"accumulation at N={n}: nothing sent on the first {accumulation - 1} of {accumulation} "
-                    f"micro-batches (inside no_sync()); after the last, gradients and parameters after {steps} SGD "
+        quiet = "micro-batch 1" if accumulation == 2 else f"micro-batches 1–{accumulation - 1}"
+        check(True, f"accumulation at N={n}: nothing sent on {quiet} of {accumulation} (inside no_sync()); after "
+                    f"the last, gradients and parameters after {steps} SGD "
                     f"steps = one process accumulating the {accumulation} whole micro-batches (rtol {RTOL:.0e}), "
                     f"models {names}")
