@@ -34,9 +34,10 @@ from utils.tools.grade.verdicts import Case, OnRanks, function, unpredictable_in
 
 WORLD_SIZES = (2, 3, 4)
 # The lab's own time limits (the grader's options override them; a notebook's "grading" metadata too). The
-# reference's verdicts take ~11 s and its feedback run ~15 s on 2 cores, the slowest verdict step (construction) 6.2 s:
-# a verdict step gets 40 s (about 5× that), a cell 60 s (the lab's own deadlock report comes after
-# check_timeout = 30 s), each of the two runs 240 s. An endless loop costs about a minute.
+# reference's verdicts, four parts, took 21–24 s on 2 shared, loaded cores (construction 12–13 s of it, over three
+# world sizes; a verdict step is one world size) and its notebook run 16–26 s: a verdict step gets 40 s, a cell 60 s
+# (the lab's own deadlock report comes after check_timeout = 30 s), each of the two runs 240 s. An endless loop
+# costs about a minute.
 LIMITS = {"timeout": 240, "cell_timeout": 60, "verdict_timeout": 40}
 NOTE = ("Bytes sent, `.module` and the order of gradients, collectives and waits (overlap) are measured inside your own "
         "rank processes (which also run your code): they catch mistakes, and are advisory against deliberate "
