@@ -4,21 +4,32 @@ The reference is read from labs/lab2_ddp.ipynb (its import cell and its solution
 tests cannot drift apart. Each wrong wrapper below has one typical mistake and is otherwise a correct
 bucketed wrapper.
 """
+import contextlib
 import sys
+from pathlib import Path
 
 import cloudpickle
+import pytest
 import torch
 import torch.distributed as dist
 
-from utils.labchecks import lab2
+from utils.labchecks import handles, lab2
 from labtesting import fails as _fails, lab_class
 
 # Ship this module's classes by value, exactly as classes defined in a notebook cell travel.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+SUBMISSIONS = Path(__file__).resolve().parent / "fixtures" / "lab2_submissions.py"
 
 
 def _lab_class(student=False):
     return lab_class("lab2_ddp", "DDPBucketed", student)
+
+
+def submissions():
+    """tests/fixtures/lab2_submissions.py run as a solution cell runs (its classes travel by value)."""
+    namespace = {"__name__": "lab2_submissions"}
+    exec(compile(SUBMISSIONS.read_text(), str(SUBMISSIONS), "exec"), namespace)
+    return namespace
 
 
 # ------------------------------------------------------------------ a correct wrapper, with knobs to break it
@@ -40,13 +51,22 @@ class Wrapper(torch.nn.Module):
                          if self.names_with_duplicates else len(self.params))
         self.cap = bucket_size_mb * 2**20
         self.filling, self.filled, self.ready, self.in_flight, self.pending = [], 0, 0, [], []
+        self.quiet = False
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.ready_hook)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.quiet = True
+        yield
+        self.quiet = False
+
     def ready_hook(self, p):
+        if self.quiet:
+            return
         self.filling.append(p.grad)
         self.filled += p.grad.numel() * p.grad.element_size()
         self.ready += 1
@@ -133,6 +153,56 @@ class BlocksInTheHook(Wrapper):
             g.copy_(averaged.view_as(g))
 
 
+class WaitsInTheHook(Wrapper):
+    """async_op=True, then waits for the handle right there in the hook: backward waits for every bucket."""
+    how = "work.wait()"
+
+    def launch(self, grads):
+        super().launch(grads)
+        work = self.in_flight[-1][0]
+        if self.how == "work.wait()":
+            work.wait()
+        elif self.how == "future.wait()":
+            work.get_future().wait()
+        else:
+            torch.futures.wait_all([work.get_future()])
+
+
+class FutureWaitInTheHook(WaitsInTheHook):
+    how = "future.wait()"
+
+
+class WaitAllInTheHook(WaitsInTheHook):
+    how = "wait_all"
+
+
+class RingInTheHook(Wrapper):
+    """Averages each bucket from the hook with a ring of blocking dist.send/dist.recv."""
+
+    def launch(self, grads):
+        flat = torch.cat([g.flatten() for g in grads]).div_(dist.get_world_size())
+        self.in_flight.append((submissions()["ring_all_reduce_blocking"](flat), flat, grads))
+
+
+class NeverSilent(Wrapper):
+    """no_sync() that does nothing: every micro-batch communicates (the gradients still come out right)."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+
+class LastMicroBatchOnly(Wrapper):
+    """Zeroes the gradients when no_sync() ends: only the last micro-batch's gradient is averaged."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with super().no_sync():
+            yield
+        for p in self.params:
+            p.grad = None
+
+
 class ForgetsToWait(Wrapper):
     """Never waits, never copies the averages back: each rank keeps its own gradient."""
 
@@ -147,18 +217,31 @@ def test_reference_passes_every_check(capsys):
     lab2.check_construction(Reference)
     lab2.check_training(Reference)
     lab2.check_overlap(Reference)
+    lab2.check_accumulation(Reference)
     out = capsys.readouterr().out
-    assert out.count("✓") == 6, out
+    assert out.count("✓") == 8, out
+
+
+def test_another_structure_passes_every_check(capsys):
+    """Buckets planned in reverse definition order, ReduceOp.AVG, futures, a class for no_sync(): passes, also on
+    the model whose gradients arrive out of definition order, and keeps its overlap."""
+    Other = submissions()["DDPBucketed"]
+    lab2.check_construction(Other, world_sizes=(2,))
+    lab2.check_training(Other, world_sizes=(2,), models=(lab2.TIED, lab2.SHUFFLED))
+    lab2.check_overlap(Other, world_sizes=(2,))
+    lab2.check_accumulation(Other, world_sizes=(2,))
+    assert capsys.readouterr().out.count("✓") == 4
 
 
 def test_the_knob_wrapper_is_correct():
     lab2.check_training(Wrapper, world_sizes=(2,), models=(lab2.TIED,), bucket_sizes_mb=(1 / 128,))
     lab2.check_overlap(Wrapper, world_sizes=(2,))
+    lab2.check_accumulation(Wrapper, world_sizes=(2,), models=(lab2.TIED,))
 
 
 def test_stubs_say_not_implemented():
     Student = _lab_class(student=True)
-    for check in (lab2.check_construction, lab2.check_training, lab2.check_overlap):
+    for check in (lab2.check_construction, lab2.check_training, lab2.check_overlap, lab2.check_accumulation):
         _fails(r"your DDP wrapper is not implemented yet: it raised NotImplementedError", check, Student,
                world_sizes=(2,))
 
@@ -172,23 +255,58 @@ def test_sum_instead_of_average():
 
 
 def test_never_overlapping_wrapper():
-    _fails(r"rank 0, last step: 0 of 141,312 gradient bytes \(0%\) started before backward ended; at least 50% "
-           r"must\. Launch each bucket from the gradient hook.*Your collectives: 37,376 B after gradient 18/18",
+    _fails(r"rank 0, last step: 0 of 141,312 gradient bytes \(0%\) were still in flight when a later gradient "
+           r"became ready; at least 50% must\. Seen: 5 calls \(141,312 B\) issued once the last gradient was ready.*"
+           r"Start each bucket's all-reduce with async_op=True from the hook.*"
+           r"Your calls: 37,376 B after gradient 18/18, 33,280 B after gradient 18/18",
            lab2.check_overlap, NeverOverlaps, world_sizes=(2,))
     lab2.check_training(NeverOverlaps, world_sizes=(2,), models=(lab2.TIED,))  # right gradients, just late
 
 
-def test_a_blocking_all_reduce_in_the_hook_does_not_overlap():
-    # Recorded after it returned, a blocking call used to look early (97 %) and earned the overlap points.
-    _fails(r"0 of 141,312 gradient bytes \(0%\) started before backward ended.*async_op=True",
-           lab2.check_overlap, BlocksInTheHook, world_sizes=(2,))
-    lab2.check_training(BlocksInTheHook, world_sizes=(2,), models=(lab2.TIED,))  # right gradients, no overlap
+@pytest.mark.parametrize("Blocking, seen", [
+    (BlocksInTheHook, r"5 calls \(141,312 B\) blocking \(dist\.send or dist\.recv, or a collective without "
+                      r"async_op=True.*Your calls: 37,376 B after gradient 5/18 \(blocking\)"),
+    (WaitsInTheHook, r"4 calls \(137,216 B\) waited for before the next gradient was ready \(a wait\(\) right "
+                     r"after the call, in the hook.*Your calls: 37,376 B after gradient 5/18 \(waited before the "
+                     r"next gradient\)"),
+    (FutureWaitInTheHook, r"4 calls \(137,216 B\) waited for before the next gradient"),
+    (WaitAllInTheHook, r"4 calls \(137,216 B\) waited for before the next gradient"),
+    (RingInTheHook, r"\d+ calls \(141,312 B\) blocking.*Your calls: 18,688 B after gradient 5/18 \(blocking\)"),
+])
+def test_a_hook_that_blocks_does_not_overlap(Blocking, seen):
+    # Each launches from the hook; a blocking call (recorded after it returned) and a wait() right after an
+    # asynchronous call used to look early (97 %) and earned the overlap points.
+    _fails(r"rank 0, last step: 0 of 141,312 gradient bytes \(0%\) were still in flight.*" + seen,
+           lab2.check_overlap, Blocking, world_sizes=(2,))
+
+
+def test_blocking_hooks_train_right():
+    for Blocking in (WaitsInTheHook, RingInTheHook):   # right gradients, no overlap
+        lab2.check_training(Blocking, world_sizes=(2, 4), models=(lab2.TIED,), bucket_sizes_mb=(1 / 128,))
 
 
 def test_one_tiny_early_bucket_does_not_pass():
-    _fails(r"4,096 of 141,312 gradient bytes \(3%\) started before backward ended.*"
-           r"Your collectives: 4,096 B after gradient 1/18, 256 B after gradient 18/18",
+    _fails(r"4,096 of 141,312 gradient bytes \(3%\) were still in flight.*"
+           r"Your calls: 4,096 B after gradient 1/18 \(waited after gradient 18/18\), 256 B after gradient 18/18",
            lab2.check_overlap, OneTinyEarlyBucket, world_sizes=(2,))
+
+
+def test_no_sync_that_sends_fails_accumulation():
+    _fails(r"rank 0, step 0, micro-batch 1 of 3 \(inside no_sync\(\)\): \d+ communication calls, [\d,]+ bytes "
+           r"\(nominal\) sent; inside no_sync\(\) backward must only accumulate",
+           lab2.check_accumulation, NeverSilent, world_sizes=(2,), models=(lab2.PLAIN,))
+
+
+def test_no_sync_that_drops_the_micro_batches_fails_accumulation():
+    _fails(r"rank 0, step 0, wte\.weight: the average of the last micro-batch's gradient only",
+           lab2.check_accumulation, LastMicroBatchOnly, world_sizes=(2,), models=(lab2.PLAIN,))
+
+
+def test_a_wrapper_without_no_sync_is_told_to_add_it():
+    class NoNoSync(Wrapper):
+        no_sync = None
+    _fails(r"NoNoSync has no no_sync\(\) method: add one", lab2.check_accumulation, NoNoSync, world_sizes=(2,),
+           models=(lab2.PLAIN,))
 
 
 def test_tied_parameter_waited_for_twice():
@@ -225,9 +343,62 @@ def test_judges_are_pure_functions_of_plain_data():
     assert lab2.judge_training(case, 2, [fine, fine], reference) == []
     summed = {**fine, "grads": [{k: None if v is None else 2 * v for k, v in grads[0].items()}]}
     assert "SUM" in lab2.judge_training(case, 2, [summed, fine], reference)[0]
-    events = [("grad", "a", 0, 1.0), ("comm", "all_reduce", 300, 1.1), ("grad", "b", 0, 2.0),
-              ("comm", "all_reduce", 100, 2.1)]
+    events = [("grad", "a", 0, 1.0, -1), ("comm", "all_reduce", 300, 1.1, 0), ("grad", "b", 0, 2.0, -1),
+              ("comm", "all_reduce", 100, 2.1, 1), ("wait", "work.wait()", 0, 2.2, 0),
+              ("wait", "work.wait()", 0, 2.3, 1)]
     assert lab2.overlap_share(events) == (300, 400)
+
+
+def test_fates_tell_every_way_a_call_can_end():
+    events = [("grad", "a", 0, 0, -1),
+              ("comm", "send", 10, 0, -1),                                   # blocking
+              ("comm", "all_reduce", 20, 0, 0), ("wait", "work.wait()", 0, 0, 0),   # waited at once
+              ("comm", "all_reduce", 30, 0, 1),                              # in flight over gradient b
+              ("comm", "all_reduce", 40, 0, 2),                              # never waited
+              ("grad", "b", 0, 0, -1),
+              ("comm", "all_reduce", 50, 0, 3),                              # after backward
+              ("wait", "future.wait()", 0, 0, 1), ("wait", "work.wait()", 0, 0, 3)]
+    assert [fate for _, fate, *_ in handles.fates(events)] == [
+        handles.BLOCKING, handles.WAITED_AT_ONCE, handles.IN_FLIGHT, handles.NEVER_WAITED, handles.AFTER_BACKWARD]
+    assert lab2.overlap_share(events) == (30, 150)
+    results = [dict(events=[events])]
+    assert "1 of the 5 calls returned a handle that was never waited for (40 B)" in lab2.judge_waits({}, 2, results)[0]
+    problem = lab2.judge_overlap({}, 2, results)[1]
+    assert "Seen: 1 call (10 B) blocking" in problem and "1 call (20 B) waited for before the next" in problem
+
+
+def test_every_way_of_waiting_is_seen():
+    """work.wait(), a future's wait() (also chained by then() or combined by collect_all/wait_all) and a True
+    is_completed()/done() each count as a wait; a handle left alone does not."""
+    def rank():
+        import torch.distributed as dist
+        from utils import bytecount
+        from utils.labchecks import handles
+        events = []
+        with bytecount.count_bytes() as counter:
+            add = counter.add
+            counter.add = lambda op, sent=0, *a, **k: (events.append(("comm", op, int(sent), 0, -1)),
+                                                     add(op, sent, *a, **k))
+            with handles.track(events):
+                works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(6)]
+                works[0].wait()
+                works[1].get_future().wait()
+                works[2].get_future().then(lambda f: None).wait()
+                torch.futures.wait_all([works[3].get_future()])
+                works[5].wait()           # so that works[4] surely completes, and...
+                while not works[4].is_completed():
+                    pass
+                dist.all_reduce(torch.ones(4))      # blocking: no handle
+                dist.barrier()
+                left = dist.all_reduce(torch.ones(4), async_op=True)
+        left.wait()
+        return [(e[0], e[4]) for e in events]
+    from utils import launch
+    got = launch(rank, world_size=2)[0]
+    comm = [h for kind, h in got if kind == "comm"]
+    waited = [h for kind, h in got if kind == "wait"]
+    assert len(comm) == 9 and comm[6] == comm[7] == -1 and len(set(comm[:6] + comm[8:])) == 7, got
+    assert sorted(waited) == sorted(comm[:6]), got
 
 
 # ------------------------------------------------------------------ reviewers' leftovers

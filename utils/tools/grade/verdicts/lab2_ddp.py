@@ -1,21 +1,26 @@
-"""Lab 2's verdicts (labs/lab2_ddp.ipynb): the three graded parts, judged where no student code runs.
+"""Lab 2's verdicts (labs/lab2_ddp.ipynb): the four graded parts, judged where no student code runs.
 
     construction  Wrapper(...) leaves rank 0's parameters and buffers on every rank, `.module`, forward, N = 2, 3, 4
     training      gradients after every step and parameters after the last = one process on the whole batch;
-                  every trainable gradient sent once per step; N = 2, 3, 4
-    overlap       at least half of the last step's gradient bytes start before backward ends (training right too)
+                  every trainable gradient sent once per step; every handle waited for; N = 2, 3, 4
+    overlap       at least half of the last step's gradient bytes still in flight when a later gradient becomes
+                  ready, every handle waited for (training right too)
+    accumulation  no_sync(): nothing sent on the first k−1 micro-batches; then the average of the accumulated
+                  gradients, every trainable gradient sent once
 
 Each world size gets fresh cases: models drawn from the checker's rng (widths, vocabulary; plain, frozen, tied,
-tied and frozen, which parameters are frozen), bucket sizes drawn around the model's own sizes (smaller than
+tied and frozen, which parameters are frozen; a "shuffled" model whose layers run in another order than they
+are defined, so its gradients do not arrive in reverse definition order: judged on training only), bucket sizes drawn around the model's own sizes (smaller than
 any parameter, medium, larger than the model), and a seed per case from os.urandom, which fixes every rank's
 initial weights (different per rank: the wrapper must broadcast) and the batches. The seed stays in the checker:
 each rank gets only its own inputs (`lab2.rank_inputs`: its initial parameters and buffers, its shard of each
-step's batch), so no rank can reconstruct another's data. A rank runs the student's
+step's micro-batches), so no rank can reconstruct another's data. A rank runs the student's
 DDPBucketed through lab 2's own `run_case` and sends back raw tensors (parameters, buffers, gradients per step,
-the forward's output, the trace of gradients and collectives) and its bytes per step as numbers. The checker
+the forward's output, the trace of gradients, calls and waits) and its bytes per step (and per micro-batch
+inside no_sync()) as numbers. The checker
 trains one process itself (`lab2.reference_run`) and judges with lab 2's judges.
 
-Bytes sent, `.module` and the trace of gradients and collectives the overlap is judged from are measured inside
+Bytes sent, `.module` and the trace of gradients, calls and waits the overlap is judged from are measured inside
 the rank processes, which also run the student's code: they are advisory against deliberate tampering (NOTE says
 so in every feedback). Parameters, buffers and gradients are values: judged in the checker.
 """
@@ -29,14 +34,16 @@ from utils.tools.grade.verdicts import Case, OnRanks, function, unpredictable_in
 
 WORLD_SIZES = (2, 3, 4)
 # The lab's own time limits (the grader's options override them; a notebook's "grading" metadata too). The
-# reference's verdicts take ~11 s and its feedback run ~15 s on 2 cores, the slowest verdict step (construction) 6.2 s:
-# a verdict step gets 40 s (about 5× that), a cell 60 s (the lab's own deadlock report comes after
-# check_timeout = 30 s), each of the two runs 240 s. An endless loop costs about a minute.
+# reference's verdicts, four parts, took 21–24 s on 2 shared, loaded cores (construction 12–13 s of it, over three
+# world sizes; a verdict step is one world size) and its notebook run 16–26 s: a verdict step gets 40 s, a cell 60 s
+# (the lab's own deadlock report comes after check_timeout = 30 s), each of the two runs 240 s. An endless loop
+# costs about a minute.
 LIMITS = {"timeout": 240, "cell_timeout": 60, "verdict_timeout": 40}
-NOTE = ("Bytes sent, `.module` and the order of gradients and collectives (overlap) are measured inside your own "
+NOTE = ("Bytes sent, `.module` and the order of gradients, collectives and waits (overlap) are measured inside your own "
         "rank processes (which also run your code): they catch mistakes, and are advisory against deliberate "
         "tampering.")
-GRAD, COMM = 0, 1            # the kinds of a trace event, as sent back
+GRAD, COMM, WAIT = 0, 1, 2    # the kinds of a trace event, as sent back
+KINDS = {"grad": GRAD, "comm": COMM, "wait": WAIT}
 MAX_OUTPUT = 4096            # elements of the forward's output sent back (a loss is one)
 
 
@@ -104,7 +111,8 @@ def run_wrapper(namespace, params, inputs):
 
     outputs: [state values, state sizes, gradient values (steps × elements), gradient sizes (steps × entries),
     parameter values, parameter sizes, the wrapper's forward output, the module's, trace (events × [step, kind,
-    bytes])]; measured: module_ok and the nominal bytes sent per step."""
+    bytes, handle])]; measured: module_ok, the nominal bytes sent per step, and per micro-batch run inside
+    no_sync() its bytes and calls."""
     Wrapper = function(namespace, "DDPBucketed")
     case = params
     result = lab2.run_case(Wrapper, case, _unpack_inputs(case, inputs))
@@ -121,19 +129,30 @@ def run_wrapper(namespace, params, inputs):
         wrapped = type(f"Tensor of shape {tuple(wrapped.shape)}"[:80], (), {})()
     else:
         wrapped = wrapped.to(torch.float32)
-    trace = [(step, GRAD if event[0] == "grad" else COMM, int(event[2]))
+    trace = [(step, KINDS[event[0]], int(event[2]), int(event[4]))
              for step, events in enumerate(result["events"]) for event in events]
     outputs = [*state, grad_values, grad_sizes, *_pack(result["params"], parameters), wrapped,
-               plain.to(torch.float32), torch.tensor(trace, dtype=torch.int64).reshape(-1, 3)]
+               plain.to(torch.float32), torch.tensor(trace, dtype=torch.int64).reshape(-1, 4)]
     measured = {"module_ok": int(bool(result["module_ok"]))}
     measured.update({f"bytes {step}": result["bytes"][step] for step in range(min(steps, len(result["bytes"])))})
+    for step, quiet in enumerate(result["quiet"]):
+        for micro, (sent, calls) in enumerate(quiet):
+            measured.update({f"quiet bytes {step} {micro}": sent, f"quiet calls {step} {micro}": calls})
     return outputs, measured
 
 
 # ------------------------------------------------------------------ in the checker: cases
 
 def _model(rng, kind):
-    """A random model of `kind` (plain, frozen, tied, tied+frozen): 2 to 4 layers of random widths."""
+    """A random model of `kind` (plain, frozen, tied, tied+frozen: 2 to 4 layers of random widths; shuffled: 3 to
+    5 equal layers applied in a random order other than their definition order)."""
+    if kind == "shuffled":
+        layers = rng.randint(3, 5)
+        order = list(range(layers))
+        while order == sorted(order):
+            rng.shuffle(order)
+        return dict(name=kind, vocab=rng.randint(8, 24), widths=[rng.choice([16, 24, 32])] * (layers + 1),
+                    order=order)
     widths = [rng.choice([8, 16, 24, 32, 40, 48]) for _ in range(rng.randint(3, 5))]
     if "tied" in kind:
         widths[-1] = widths[0]   # the head's weight is the embedding's: vocabulary × embedding width
@@ -170,12 +189,15 @@ def _reference(case, n):
         torch.set_num_threads(threads)
 
 
-def _case(n, spec, bucket_size_mb, steps, rng):
-    case = lab2.make_case(spec, bucket_size_mb, steps=steps, seq_len=rng.randint(4, 8), seed=_seed())
+def _case(n, spec, bucket_size_mb, steps, rng, accumulation=1):
+    case = lab2.make_case(spec, bucket_size_mb, steps=steps, seq_len=rng.randint(4, 8), seed=_seed(),
+                          accumulation=accumulation)
     widths = ", ".join(map(str, spec["widths"]))
     label = f"model '{spec['name']}' (widths {widths}, vocabulary {spec['vocab']}"
-    label += f", frozen {', '.join(spec['frozen'])})" if spec.get("frozen") else ")"
+    label += f", frozen {', '.join(spec['frozen'])}" if spec.get("frozen") else ""
+    label += f", layers applied in the order {spec['order']})" if spec.get("order") else ")"
     label += f", buckets of {bucket_size_mb * lab2.MiB:,.0f} bytes"
+    label += f", {accumulation} micro-batches per step" if accumulation > 1 else ""
     shared = {key: value for key, value in case.items() if key != "seed"}   # the seed stays here
     return Case(label, shared, [_pack_inputs(case, r, n) for r in range(n)], {"reference": _reference(case, n)})
 
@@ -189,7 +211,7 @@ def _construction_cases(n, rng):
 def _training_cases(n, rng):
     """Every model kind with every bucket size, 3 SGD steps each."""
     out = []
-    for kind in ("plain", "frozen", "tied", "tied+frozen"):
+    for kind in ("plain", "frozen", "tied", "tied+frozen", "shuffled"):
         spec = _model(rng, kind)
         out += [_case(n, spec, size, 3, rng) for size in _bucket_sizes(rng, spec)]
     return out
@@ -201,6 +223,17 @@ def _overlap_cases(n, rng):
     spec = dict(name=f"{layers} equal layers", vocab=rng.randint(8, 24), widths=[width] * (layers + 1))
     layer = (width * width + width) * 4
     return [_case(n, spec, rng.uniform(1.6, 2.4) * layer / lab2.MiB, 2, rng)]
+
+
+def _accumulation_cases(n, rng):
+    """A plain and a tied+frozen model, 2 to 4 micro-batches per step, a medium and a smaller-than-any bucket
+    size, 2 SGD steps."""
+    out = []
+    for kind in ("plain", "tied+frozen"):
+        spec = _model(rng, kind)
+        sizes = _bucket_sizes(rng, spec)
+        out.append(_case(n, spec, rng.choice(sizes[:2]), 2, rng, accumulation=rng.randint(2, 4)))
+    return out
 
 
 # ------------------------------------------------------------------ in the checker: judging
@@ -229,12 +262,16 @@ def _rank_results(case, results):
         wrapped = v[6] if isinstance(v[6], torch.Tensor) else f"a {v[6]}"
         plain = v[7] if isinstance(v[7], torch.Tensor) and v[7].numel() == 1 else torch.tensor(float("nan"))
         events = [[] for _ in range(steps)]
-        if isinstance(v[8], torch.Tensor) and v[8].dtype == torch.int64 and v[8].dim() == 2 and v[8].shape[1] == 3:
-            for step, kind, sent in v[8].tolist():
-                if 0 <= step < steps:
-                    events[step].append(("grad", "", 0, 0.0) if kind == GRAD else ("comm", "", sent, 0.0))
+        if isinstance(v[8], torch.Tensor) and v[8].dtype == torch.int64 and v[8].dim() == 2 and v[8].shape[1] == 4:
+            names = {GRAD: "grad", COMM: "comm", WAIT: "wait"}
+            for step, kind, sent, handle in v[8].tolist():
+                if 0 <= step < steps and kind in names:   # any other kind is malformed: left out
+                    events[step].append((names[kind], "", sent if kind == COMM else 0, 0.0, handle))
+        k = lab2.micro_batches(case.params)
+        quiet = [[(r.measured.get(f"quiet bytes {s} {j}", -1), r.measured.get(f"quiet calls {s} {j}", -1))
+                  for j in range(k - 1)] for s in range(steps)]     # absent: −1, judged as sent
         out.append(dict(state=state, module_ok=bool(r.measured.get("module_ok", 0)), outputs=(wrapped, plain),
-                        grads=grads, params=params, events=events,
+                        grads=grads, params=params, events=events, quiet=quiet,
                         bytes=[r.measured.get(f"bytes {s}", 0) for s in range(steps)]))
     return out
 
@@ -244,12 +281,16 @@ def _problems(kind, n, case, results):
     reference = case.expected["reference"]
     if kind == "construction":
         return lab2.judge_construction(case.params, n, ranks, reference)
+    if kind == "accumulation":
+        problems = lab2.judge_quiet(case.params, n, ranks)
+        if problems:
+            return problems
     problems = lab2.judge_training(case.params, n, ranks, reference)
     if problems:
         return problems
-    if kind == "training":
-        return lab2.judge_traffic(case.params, n, ranks)
-    return lab2.judge_overlap(case.params, n, ranks)
+    if kind == "overlap":
+        return lab2.judge_overlap(case.params, n, ranks)
+    return lab2.judge_traffic(case.params, n, ranks) or lab2.judge_waits(case.params, n, ranks)
 
 
 def _judge(kind):
@@ -268,10 +309,16 @@ PARTS = {
     "training": OnRanks(run_wrapper, WORLD_SIZES, _training_cases, _judge("training"), _WHAT,
                         "gradients after each of 3 SGD steps and parameters after them = one process on the whole "
                         f"batch (rtol {lab2.RTOL:.0e}) on every rank, N = 2, 3, 4, random plain, frozen, tied and "
-                        "tied+frozen models, buckets smaller than any parameter, medium and larger than the model; "
-                        "every trainable gradient sent once per step"),
+                        "tied+frozen models and one whose layers run out of definition order, buckets smaller than "
+                        "any parameter, medium and larger than the model; every trainable gradient sent once per "
+                        "step, every handle waited for"),
     "overlap": OnRanks(run_wrapper, WORLD_SIZES, _overlap_cases, _judge("overlap"), _WHAT,
-                       f"at least {lab2.EARLY_SHARE:.0%} of the last step's gradient bytes start before backward "
-                       "ends on every rank, and the training is right, N = 2, 3, 4, random models of equal layers "
-                       "with buckets of about two layers"),
+                       f"at least {lab2.EARLY_SHARE:.0%} of the last step's gradient bytes still in flight when a "
+                       "later gradient becomes ready, on every rank, every handle waited for, and the training "
+                       "right, N = 2, 3, 4, random models of equal layers with buckets of about two layers"),
+    "accumulation": OnRanks(run_wrapper, WORLD_SIZES, _accumulation_cases, _judge("accumulation"), _WHAT,
+                            "no_sync(): nothing sent on the first k−1 micro-batches of a step; after the k-th the "
+                            "gradients and parameters = one process accumulating the k whole micro-batches, every "
+                            "trainable gradient sent once, N = 2, 3, 4, random plain and tied+frozen models, k = 2 "
+                            "to 4"),
 }
