@@ -84,7 +84,8 @@ def compare(a: Sequence[float], b: Sequence[float], name_a: str, name_b: str, sc
     """One sentence on two sets of timings in seconds (lower is faster), honest about noise.
 
     'name_b is 1.8× faster than name_a (medians …)' only when their interquartile ranges are apart (min–max
-    ranges below 4 samples, and the sentence says which); otherwise 'no measurable difference here'. Medians are printed multiplied by `scale`, in `unit`.
+    ranges below 4 samples, and the sentence says which); otherwise 'no measurable difference here'.
+    Medians are printed multiplied by `scale`, in `unit`.
     """
     sa, sb = Spread.of(a), Spread.of(b)
     detail = f"medians {sa.median * scale:.3g} vs {sb.median * scale:.3g} {unit}"
