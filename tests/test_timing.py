@@ -39,3 +39,15 @@ def test_separated_spreads_name_the_faster_variant():
     assert separated(a, b)
     verdict = compare(a, b, "slow one", "fast one")
     assert verdict.startswith("fast one is 2") and "faster than slow one" in verdict
+
+
+def test_below_four_samples_the_labels_say_min_max():
+    small = Spread.of([3.0, 1.0, 2.0])
+    assert small.format(scale=1, unit="s") == "2 s (min–max 1–3, n=3)"             # no quartiles to call IQR
+    assert Spread.of([5.0, 1.0, 3.0, 2.0]).format(scale=1, unit="s") == "2.5 s (IQR 1.75–3.5, min–max 1–5, n=4)"
+    assert compare([1.0, 1.1, 1.2], [2.0, 2.1, 2.2], "x", "y").endswith("their min–max ranges do not overlap)")
+    assert compare([1.0, 1.5, 2.1], [2.0, 2.1, 2.2], "x", "y").endswith("their min–max ranges overlap)")
+    mixed = compare([1.0, 1.1, 1.2], [2.0, 2.1, 2.2, 2.3], "x", "y")
+    assert mixed.endswith("ranges (interquartile from 4 samples, min–max below) do not overlap)")
+    assert compare([2.0, 2.1, 2.2, 2.3], [1.0, 1.05, 1.1, 1.2], "a", "b").endswith(
+        "their interquartile ranges do not overlap)")                            # n ≥ 4: as before

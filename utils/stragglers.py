@@ -91,8 +91,13 @@ class JitterModel:
         """E[max of n independent step times] = lo + ∫ (1 − F(t)ⁿ) dt, integrated numerically (float64)."""
         std = max(self.std, 1e-12)
         lo, hi = self.mean - 12 * std, self.mean + self.hiccup + 12 * std
-        t = torch.linspace(lo, hi, points, dtype=torch.float64)
-        return lo + torch.trapezoid(1 - self.cdf(t) ** n, t).item()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)        # 20,001 points are too few for intra-op threads: on a busy machine
+        try:                            # waking them cost ~8× the work (45 ms instead of 5.5 ms per call)
+            t = torch.linspace(lo, hi, points, dtype=torch.float64)
+            return lo + torch.trapezoid(1 - self.cdf(t) ** n, t).item()
+        finally:
+            torch.set_num_threads(threads)
 
     def sample(self, shape, generator: torch.Generator) -> torch.Tensor:
         """Draw step times (float64) of the given shape."""

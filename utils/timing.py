@@ -64,10 +64,13 @@ class Spread(NamedTuple):
         return cls(statistics.median(xs), q1, q3, xs[0], xs[-1], len(xs))
 
     def format(self, scale: float = 1e3, unit: str = "ms", digits: int = 3) -> str:
-        """'1.23 ms (IQR 1.10–1.40, min–max 1.02–1.91, n=7)', values multiplied by `scale`."""
+        """'1.23 ms (IQR 1.10–1.40, min–max 1.02–1.91, n=7)', values multiplied by `scale`.
+
+        Below 4 samples there are no quartiles, so only the min–max range is printed: '1.23 ms (min–max …, n=3)'.
+        """
         f = lambda v: f"{v * scale:.{digits}g}"
-        return (f"{f(self.median)} {unit} (IQR {f(self.q1)}–{f(self.q3)}, "
-                f"min–max {f(self.low)}–{f(self.high)}, n={self.count})")
+        iqr = f"IQR {f(self.q1)}–{f(self.q3)}, " if self.count >= 4 else ""
+        return f"{f(self.median)} {unit} ({iqr}min–max {f(self.low)}–{f(self.high)}, n={self.count})"
 
 
 def separated(a: Sequence[float], b: Sequence[float]) -> bool:
@@ -80,13 +83,24 @@ def compare(a: Sequence[float], b: Sequence[float], name_a: str, name_b: str, sc
             unit: str = "ms") -> str:
     """One sentence on two sets of timings in seconds (lower is faster), honest about noise.
 
-    'name_b is 1.8× faster than name_a (medians …)' only when their interquartile ranges are apart;
-    otherwise 'no measurable difference here'. Medians are printed multiplied by `scale`, in `unit`.
+    'name_b is 1.8× faster than name_a (medians …)' only when their interquartile ranges are apart (min–max
+    ranges below 4 samples, and the sentence says which); otherwise 'no measurable difference here'.
+    Medians are printed multiplied by `scale`, in `unit`.
     """
     sa, sb = Spread.of(a), Spread.of(b)
     detail = f"medians {sa.median * scale:.3g} vs {sb.median * scale:.3g} {unit}"
+    ranges = _range_label(sa.count, sb.count)
     if not separated(a, b):
-        return f"{name_a} vs {name_b}: no measurable difference here ({detail}; their interquartile ranges overlap)"
+        return f"{name_a} vs {name_b}: no measurable difference here ({detail}; their {ranges} overlap)"
     fast, slow = (name_a, name_b) if sa.median < sb.median else (name_b, name_a)
     ratio = max(sa.median, sb.median) / min(sa.median, sb.median)
-    return f"{fast} is {ratio:.3g}× faster than {slow} ({detail}; their interquartile ranges do not overlap)"
+    return f"{fast} is {ratio:.3g}× faster than {slow} ({detail}; their {ranges} do not overlap)"
+
+
+def _range_label(count_a: int, count_b: int) -> str:
+    """What `separated` compared: quartiles need 4 samples, below that the whole min–max range stands in."""
+    if count_a >= 4 and count_b >= 4:
+        return "interquartile ranges"
+    if count_a < 4 and count_b < 4:
+        return "min–max ranges"
+    return "ranges (interquartile from 4 samples, min–max below)"
