@@ -86,9 +86,11 @@ def test_make_run_keeps_the_console_to_its_summary_lines():
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 1, done.stdout + done.stderr
         lines = done.stdout.splitlines()
-        assert [line.split()[0] for line in lines[:4]] == ["a_noisy.ipynb", "b_failing.ipynb", "the", "tiny.ipynb"]
-        assert lines[2].split() == ["the", "kernel's", "own", "output:", str(build / "lessons" / "b_failing.kernel.log")]
-        assert lines[4:] == ["", f"2 of 3 notebooks ran; summary in {build / 'summary.csv'}"], done.stdout
+        assert [line.split()[0] for line in lines[:5]] == ["a_noisy.ipynb", "b_failing.ipynb", "FAILED:", "the",
+                                                          "tiny.ipynb"]
+        assert lines[2].split() == ["FAILED:", "PapermillExecutionError:", "ValueError:", "on", "purpose"]
+        assert lines[3].split() == ["the", "kernel's", "own", "output:", str(build / "lessons" / "b_failing.kernel.log")]
+        assert lines[5:] == ["", f"2 of 3 notebooks ran; summary in {build / 'summary.csv'}"], done.stdout
         assert done.stderr == "failed: b_failing.ipynb\n"
         for name in ("a_noisy", "b_failing"):
             log = (build / "lessons" / f"{name}.kernel.log").read_text()

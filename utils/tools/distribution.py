@@ -65,13 +65,14 @@ multi-process `torch.distributed` job (gloo on a laptop's CPU, NCCL with one GPU
   ```
   The first run installs torch {torch} (the CPU build, a small download, unless `nvidia-smi` finds a GPU: then
   the CUDA build) and the course into `.venv`, in a few minutes; `TORCH_SPEC="torch==X"` picks another torch
-  ({supported} are tested). A lab's executed copy goes to `build/labs/`: open it to read each check's ✓ lines
-  or the ✗ that says what to fix.
+  (supported: torch {supported}; every notebook runs on both ends). A lab's executed copy goes to `build/labs/`:
+  open it to read each check's ✓ lines or the ✗ that says what to fix.
   With conda instead: `conda env create -f environment.yml && conda activate dp-from-scratch && pip install -e . --no-deps`.
   Open the notebooks from their folders (`lessons/`, `labs/`): their first cell finds the course's `utils`
   package one folder up.
 - **Colab:** the *Open in Colab* badge at the top of each notebook. Its first cell clones this repository
-  ({repo}) and installs it with `pip install -e` (Colab's own torch and Python are kept; neither is tested).
+  ({repo}) and installs it with `pip install -e`; Colab's own torch and Python are kept (the course is
+  tested on Python 3.11 only).
 
 ## Lessons and labs
 {table}
@@ -124,11 +125,11 @@ def _lesson_copy(path: Path, student_repo: str, branch: str):
 
 
 def supported_torch(root=ROOT) -> tuple:
-    """(pinned version, "oldest and newest") from the course's Makefile: TORCH_SPEC, TORCH_OLDEST, TORCH_NEWEST."""
+    """(pinned version, "oldest to newest") from the course's Makefile: TORCH_SPEC, TORCH_OLDEST, TORCH_NEWEST."""
     makefile = (Path(root) / "Makefile").read_text()
     value = {name: re.search(rf"^{name}\s*[?:]?=\s*(?:torch==)?(\S+)", makefile, re.M)[1]
              for name in ("TORCH_SPEC", "TORCH_OLDEST", "TORCH_NEWEST")}
-    return value["TORCH_SPEC"], f"{value['TORCH_OLDEST']} and {value['TORCH_NEWEST']}"
+    return value["TORCH_SPEC"], f"{value['TORCH_OLDEST']} to {value['TORCH_NEWEST']}"
 
 
 def _table(lessons, labs) -> str:

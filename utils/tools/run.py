@@ -5,9 +5,9 @@
 Each notebook runs with papermill (default parameters, the best backend this machine has) in its
 own folder as working directory, on a fresh kernel whose channels are IPC sockets in a private folder
 (utils/tools/kernels.py); the executed copies go to build/<folder>/ and a summary table (lesson, status,
-seconds) to build/summary.csv. The console shows one line per notebook and the total: what the kernel process
-itself writes (its log, torch's C++ log lines) goes to build/<folder>/<notebook>.kernel.log, kept only when
-not empty and named on the console when the notebook failed. Exit status 1 if any notebook failed; 2, before
+seconds) to build/summary.csv. The console shows one line per notebook (a failure's whole message on the next)
+and the total: what the kernel process itself writes (its log, torch's C++ log lines) goes to
+build/<folder>/<notebook>.kernel.log, kept only when not empty and named on the console when the notebook failed. Exit status 1 if any notebook failed; 2, before
 anything runs, for a path that is neither a notebook nor a folder holding notebooks.
 """
 import argparse
@@ -45,6 +45,8 @@ def run_notebooks(folder: pathlib.Path, out: pathlib.Path, timeout: int, noteboo
         seconds = time.perf_counter() - start
         rows.append((notebook.name, status, round(seconds, 1)))
         print(f"{notebook.name:40s} {status:10.60s} {seconds:6.1f} s", flush=True)
+        if status != "ok":
+            print(f"{'':40s} {status}", flush=True)         # a lab check's whole ✗ line: what to fix
         if log.exists() and log.stat().st_size == 0:
             log.unlink()
         elif status != "ok" and log.exists():
