@@ -6,10 +6,19 @@ VENV   ?= .venv
 # A pinned torch: a range would pull the newest (multi-GB CUDA) build on a fresh machine.
 # On a GPU machine: make TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH_SPEC ?= torch==2.13.0
+# The supported range: every lesson and lab runs on both ends (make compat-ends; .ci/run runs it).
+# pyproject.toml's lower bound is TORCH_OLDEST (tests/test_packaging.py keeps them in step).
+TORCH_OLDEST := 2.6.0
+TORCH_NEWEST := 2.14.1
+# e.g. TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu" (CI: CPU wheels, a small download)
+TORCH_INDEX ?=
+# make compat keeps one environment per TORCH_SPEC here, outside the clone, reused across runs and clones
+COMPAT_ROOT ?= /var/tmp/dpfs-compat
+COMPAT_ENV = $(COMPAT_ROOT)/$(shell printf '%s' '$(TORCH_SPEC)' | tr -cs 'A-Za-z0-9.' '-' | sed 's/-$$//')
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lab book release distribution grade regrade benchmarks clean
+.PHONY: install run test lab book release distribution grade regrade benchmarks compat compat-ends clean
 
 install: $(STAMP)
 
@@ -60,6 +69,21 @@ regrade: install
 
 benchmarks: install
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+# make compat TORCH_SPEC="torch==2.6.0": every lesson and lab headless on that torch (outputs are not compared:
+# each notebook must run without an error); executed copies and summary.csv in build/compat-<env name>/
+compat:
+	mkdir -p $(COMPAT_ROOT)
+	test -x $(COMPAT_ENV)/bin/python || $(PYTHON) -m venv $(COMPAT_ENV)
+	$(COMPAT_ENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
+	$(COMPAT_ENV)/bin/python -m pip install --quiet -e ".[dev]"
+	$(COMPAT_ENV)/bin/python -c 'import sys, torch; print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")'
+	$(COMPAT_ENV)/bin/python -m utils.tools.run lessons labs --out build/compat-$(notdir $(COMPAT_ENV))
+
+# both ends of the supported range, each as make compat
+compat-ends:
+	$(MAKE) compat TORCH_SPEC="torch==$(TORCH_OLDEST) $(TORCH_INDEX)"
+	$(MAKE) compat TORCH_SPEC="torch==$(TORCH_NEWEST) $(TORCH_INDEX)"
 
 clean:
 	rm -rf build release

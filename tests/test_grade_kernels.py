@@ -59,4 +59,54 @@ def test_make_run_uses_ipc_kernels():
 def test_make_run_refuses_a_missing_folder_before_starting_anything(capsys):
     with pytest.raises(SystemExit) as stopped:
         run.main(["no-such-folder"])
-    assert stopped.value.code == 2 and "no-such-folder is not a folder" in capsys.readouterr().err
+    assert stopped.value.code == 2 and "no-such-folder is neither a folder nor a notebook" in capsys.readouterr().err
+
+
+def noisy_notebook(path: Path, fail=False):
+    """A notebook whose kernel process writes to its own stderr, as ipykernel's log (lesson 00's interrupted
+    launch: "[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel.") and torch's C++ log lines do."""
+    source = ("import os, sys\nprint('[IPKernelApp] ERROR | stand-in log line', file=sys.__stderr__, flush=True)\n"
+              "os.write(2, b'[E1201 c10d] stand-in C++ log line\\n')\nprint('printed by the cell')")
+    cells = [nbformat.v4.new_code_cell(source)] + ([nbformat.v4.new_code_cell("raise ValueError('on purpose')")]
+                                                   if fail else [])
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+
+
+def test_make_run_keeps_the_console_to_its_summary_lines():
+    """What a kernel process writes itself goes to a log beside the executed copy, named only when it failed."""
+    with tempfile.TemporaryDirectory(prefix="test-kernels-") as folder:
+        lessons, build = Path(folder) / "lessons", Path(folder) / "build"
+        lessons.mkdir()
+        noisy_notebook(lessons / "a_noisy.ipynb")
+        noisy_notebook(lessons / "b_failing.ipynb", fail=True)
+        tiny_notebook(lessons)
+        done = subprocess.run([sys.executable, "-m", "utils.tools.run", lessons, "--out", build],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1, done.stdout + done.stderr
+        lines = done.stdout.splitlines()
+        assert [line.split()[0] for line in lines[:5]] == ["a_noisy.ipynb", "b_failing.ipynb", "FAILED:", "the",
+                                                          "tiny.ipynb"]
+        assert lines[2].split() == ["FAILED:", "PapermillExecutionError:", "ValueError:", "on", "purpose"]
+        assert lines[3].split() == ["the", "kernel's", "own", "output:", str(build / "lessons" / "b_failing.kernel.log")]
+        assert lines[5:] == ["", f"2 of 3 notebooks ran; summary in {build / 'summary.csv'}"], done.stdout
+        assert done.stderr == "failed: b_failing.ipynb\n"
+        for name in ("a_noisy", "b_failing"):
+            log = (build / "lessons" / f"{name}.kernel.log").read_text()
+            assert "stand-in log line" in log and "stand-in C++ log line" in log and "printed by" not in log
+        assert not (build / "lessons" / "tiny.kernel.log").exists(), "an empty log is not kept"
+        executed = nbformat.read(str(build / "lessons" / "a_noisy.ipynb"), as_version=4)
+        assert executed.cells[0].outputs[0]["text"] == "printed by the cell\n"
+
+
+def test_make_run_takes_single_notebooks():
+    with tempfile.TemporaryDirectory(prefix="test-kernels-") as folder:
+        labs = Path(folder) / "labs"
+        labs.mkdir()
+        path = tiny_notebook(labs)
+        noisy_notebook(labs / "other.ipynb")
+        done = subprocess.run([sys.executable, "-m", "utils.tools.run", path, "--out", Path(folder) / "build"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "1 of 1 notebooks ran" in done.stdout, done.stdout + done.stderr
+        assert sorted(p.name for p in (Path(folder) / "build" / "labs").iterdir()) == ["tiny.ipynb"]

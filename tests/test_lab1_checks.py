@@ -501,7 +501,7 @@ def test_crossover_in_whole_bytes_or_huge_for_never_is_accepted(reference, capsy
     assert crossover_by_subtraction(16, 2e-6, 1 / 25e9, ring, hd) == 0.0
     _fails(r"crossover_bytes\(n=16, alpha=2e-06, beta=4e-11\) = 0\.0, expected math\.inf: .*round-off",
            lab1.check_cost_model, ring, hd, lambda n, a, b: crossover_by_subtraction(n, a, b, ring, hd),
-           cases=[(16, 4e3, 2e-6, 1 / 25e9)])
+           cases=[(16, 4e3, 2e-6, 1 / 25e9)], expected=reference_formulas.lab1_expected)
 
 
 def test_acceptance_rules():

@@ -19,6 +19,19 @@ __all__ = ["launch", "device", "describe", "backend_for", "default_threads", "La
            "LaunchTimeout", "checks", "compat", "trace", "load_ipython_extension"]
 
 
+def _register_requires():
+    """In IPython, `%%requires NAME` (utils.compat.requires): a cell shown only on a torch that has NAME."""
+    import sys
+    if "IPython" not in sys.modules:  # not in a notebook (a rank, a script): nothing to register
+        return
+    shell = sys.modules["IPython"].get_ipython()
+    if shell is not None:
+        shell.register_magic_function(compat.requires, "cell", "requires")
+
+
+_register_requires()
+
+
 def load_ipython_extension(ipython):
     """`%load_ext utils` registers the `%%distributed` cell magic and the `%dist` line magic."""
     from .magic import DistributedMagics

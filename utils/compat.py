@@ -7,6 +7,15 @@ cell names an argument that some supported torch lacks, and none prints a deprec
     compat.reduce_scatter_single(out, inp)    reduce_scatter_tensor before torch 2.13
     compat.ddp(module, forward_sync_buffers=False, bucket_cap_mb=...)
                                               DDP; its buffer-sync argument was broadcast_buffers before 2.13
+    compat.tcp_store(host, port, world_size, master_listen_fd=fd, ...)
+                                              TCPStore; its default (libuv) backend takes over a listening
+                                              socket only from torch 2.8
+    compat.end_group_before_exit()            dist.destroy_process_group(), which can hang with gloo
+                                              before torch 2.8
+
+A feature some supported torch lacks has a name in FEATURES; a cell that shows it starts with
+`%%requires NAME` (registered when a notebook imports utils): on a torch without it the cell prints one line
+saying so and is skipped, without an error; elsewhere it runs as if the line were not there.
 """
 import inspect
 
@@ -14,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["all_gather_single", "reduce_scatter_single", "ddp", "TORCH_VERSION"]
+__all__ = ["all_gather_single", "reduce_scatter_single", "ddp", "tcp_store", "end_group_before_exit", "FEATURES", "requires",
+           "TORCH_VERSION"]
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -49,3 +59,63 @@ def ddp(module, *, forward_sync_buffers: bool = True, **kwargs) -> DistributedDa
         for buffer in module.buffers():
             dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return DistributedDataParallel(module, broadcast_buffers=forward_sync_buffers, **kwargs)
+
+
+# pytorch/pytorch#150215 (spring 2025) taught the libuv backend, the default since torch 2.4, to serve on a socket
+# it is handed; before, it raises NotImplementedError and the legacy backend must be asked for.
+_LIBUV_TAKES_LISTEN_FD = TORCH_VERSION >= (2, 8)
+
+
+def tcp_store(host, port, world_size=None, **kwargs) -> dist.TCPStore:
+    """`dist.TCPStore(host, port, world_size, **kwargs)`; one given `master_listen_fd` (a listening socket to
+    take over) uses the legacy backend on a torch whose libuv backend cannot take one."""
+    if kwargs.get("master_listen_fd") is not None and not _LIBUV_TAKES_LISTEN_FD:
+        kwargs.setdefault("use_libuv", False)
+    return dist.TCPStore(host, port, world_size, **kwargs)
+
+
+# pytorch/pytorch#154976 (torch 2.8): before it, a gloo group's destructor joins the group's worker threads
+# while holding the GIL, and a worker still letting go of a finished collective's tensors waits for the GIL:
+# destroy_process_group() then never returns (seen on torch 2.6 in one launch out of a few).
+_GLOO_DESTROY_CAN_HANG = TORCH_VERSION < (2, 8)
+
+
+def end_group_before_exit() -> None:
+    """End this process's default group just before the process exits (os._exit) without destructors.
+
+    `dist.destroy_process_group()`; where that can hang (a gloo group before torch 2.8), a barrier instead:
+    every rank has then finished every collective it started, so none waits on this one when it is gone. A group
+    already broken (a timed-out monitored_barrier closes its connections) fails the barrier at once: nothing to
+    wait for then.
+    """
+    if _GLOO_DESTROY_CAN_HANG and dist.get_backend() == "gloo":
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass
+    else:
+        dist.destroy_process_group()
+
+
+# name: (whether this torch has it, what is missing where it does not)
+FEATURES = {
+    # FSDP2 records an event on its collectives' stream; torch 2.6's CPU streams cannot (torch 2.13's can)
+    "fsdp2_on_cpu": (hasattr(getattr(torch, "cpu", None), "Stream") and hasattr(torch.cpu.Stream, "record_event"),
+                     "FSDP2 (fully_shard) cannot run on the CPU with this torch: its CPU streams record no events"),
+}
+
+
+def requires(line, cell):
+    """The `%%requires NAME` cell magic: run the cell if this torch has feature NAME (see FEATURES), else say
+    in one line why it is skipped. An error in the cell is an error of the cell, as without the magic."""
+    name = line.strip()
+    if name not in FEATURES:
+        raise ValueError(f"%%requires {name!r}: not a feature utils.compat knows (one of {', '.join(FEATURES)})")
+    available, missing = FEATURES[name]
+    if not available:
+        print(f"(skipped on torch {torch.__version__}: {missing})")
+        return None
+    from IPython import get_ipython
+    result = get_ipython().run_cell(cell, store_history=False)
+    result.raise_error()
+    return None

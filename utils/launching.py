@@ -48,6 +48,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import compat
+
 BACKENDS = ("auto", "gloo", "nccl")
 _RANK_MARKER = "COURSE_LAUNCHED_RANK"  # set inside ranks that launch() started
 _PEER_LOSS = ("Connection closed by peer", "Connection reset", "Broken pipe", "ECONNRESET",
@@ -251,12 +253,14 @@ def _output_is_live() -> bool:
             argv = f.read().decode(errors="replace").split("\0")
     except OSError:
         return True
-    return executor_name(argv) not in _BATCH_EXECUTORS
+    name = executor_name(argv)
+    return name not in _BATCH_EXECUTORS and not name.startswith("utils.tools.")
 
 
-# Programs and modules that execute notebooks with nobody watching (a kernel's parent process).
+# Programs and modules that execute notebooks with nobody watching (a kernel's parent process); the course's
+# own tools (utils.tools.*) too.
 _BATCH_EXECUTORS = {"papermill", "pytest", "py.test", "nbval", "nbclient", "nbconvert", "jupyter-nbconvert",
-                    "jupyter-execute", "utils.tools.run", "utils.tools.grade"}
+                    "jupyter-execute"}
 
 
 def executor_name(argv: list) -> str:
@@ -337,10 +341,10 @@ class _Launch:
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
         self.store_port = listener.getsockname()[1]
-        self.store = dist.TCPStore("127.0.0.1", self.store_port, self.world_size,
-                                   is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=max(self.timeout, 30)),
-                                   master_listen_fd=listener.fileno())
+        self.store = compat.tcp_store("127.0.0.1", self.store_port, self.world_size,
+                                      is_master=True, wait_for_workers=False,
+                                      timeout=timedelta(seconds=max(self.timeout, 30)),
+                                      master_listen_fd=listener.fileno())
         listener.detach()  # the store owns the socket now and closes it when it is deleted
         self.output_server = socket.socket()
         self.output_server.bind(("127.0.0.1", 0))
@@ -678,7 +682,7 @@ def _rank_main(spec, result_conn, control_conn):
         sys.stderr.flush()
         result_conn.send(("error", _describe_exception(exc)))
         os._exit(1)  # skip destroy_process_group: peers may be gone and it could block
-    dist.destroy_process_group()
+    compat.end_group_before_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     result_conn.send(("ok", body))

@@ -1,8 +1,6 @@
-"""The course's command-line tools (not imported by notebooks):
+"""The course's command-line tools (not imported by notebooks); each module's docstring says how to run it.
 
-    python -m utils.tools.run lessons --out build     execute every lesson headless   (make run)
-    python -m utils.tools.release labs --out release  write students' copies of labs  (make release)
-    python -m utils.tools.grade SUBMISSIONS           autograde submitted labs        (make grade)
+    python -m utils.tools.run lessons --out build     execute notebooks headless, one summary line each
 
-kernels.py: the Jupyter kernels run and grade start talk over IPC sockets in a private folder.
+kernels.py: the Jupyter kernels these tools start talk over IPC sockets in a private folder.
 """

@@ -1,17 +1,19 @@
 """Write the student distribution: a self-contained folder to push as the students' repository.
 
     python -m utils.tools.distribution DIR --student-repo https://github.com/OWNER/NAME [--branch main]
-    (make distribution DIST=DIR STUDENT_REPO=https://github.com/OWNER/NAME [BRANCH=main])
 
 DIR receives exactly
     README.md            for students (what to install, how to open the notebooks, how to hand in a lab)
+    course.py            their set-up and two commands (utils/tools/student_start.py): open the lessons, check a lab
+    .gitignore           the environment, egg-info, executed copies
     pyproject.toml       the course's, so `pip install -e .` works (its readme, README.md, is the one above)
     environment.yml      the conda environment
-    lessons/             every lesson notebook (with its outputs) and lessons/scripts/
+    lessons/             every lesson notebook (with its outputs; the instructors' note on lab links dropped)
+                         and lessons/scripts/
     benchmarks/          the benchmark scripts the lessons point to (they use only utils)
     labs/                the released labs (utils.tools.release: solutions stubbed, hidden tests removed)
     utils/               the course's package, without the grader (utils/tools/grade/: verdicts, hidden
-                         cases, the private reference formulas) and without the release tool
+                         cases, the private reference formulas) and without the release tools
 and nothing else. Every Colab badge opens the notebook in the student repository (github/OWNER/NAME/blob/
 BRANCH/...), and every setup cell's COURSE_REPO clones that repository. Labs sit in labs/ beside utils/, where
 their setup cell looks for it (Path.cwd().parent). An existing DIR is replaced, except its .git folder, so the
@@ -20,6 +22,7 @@ command can refresh a clone of the student repository in place.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -29,7 +32,23 @@ from . import release
 ROOT = Path(__file__).resolve().parents[2]
 # What the distribution leaves out of utils/: the grader (verdicts and their hidden cases; reference.py, the
 # private reference formulas), the tools that write the student copies and the website.
-PRIVATE = ("tools/grade", "tools/release.py", "tools/distribution.py", "tools/book.py")
+PRIVATE = ("tools/grade", "tools/release.py", "tools/distribution.py", "tools/student_start.py", "tools/book.py")
+START = "tools/student_start.py"   # written as course.py at the distribution's root
+
+# A lesson's note for instructors beside its lab link, e.g. "(work in the copy your instructor hands out: in the
+# course's reference repository this link opens the solutions)": in the students' repository the link opens
+# their own copy. Dropped with the punctuation that joins it to the rest of its parentheses.
+INSTRUCTOR_NOTE = re.compile(r"(?P<before>\s*\(|;\s*)?(?:work in the copy your instructor hands out:\s*)?"
+                             r"in the course's reference repository this link opens the solutions"
+                             r"(?P<after>\)|;\s*)?")
+
+GITIGNORE = """\
+.venv/
+*.egg-info/
+__pycache__/
+.ipynb_checkpoints/
+build/
+"""
 
 STUDENT_README = """\
 # Data Parallelism from Scratch — student repository
@@ -38,17 +57,22 @@ An executable course on how many GPUs train one model: every lesson is a Jupyter
 multi-process `torch.distributed` job (gloo on a laptop's CPU, NCCL with one GPU per rank). No GPU is needed.
 
 ## Open the notebooks
-- **Colab:** the *Open in Colab* badge at the top of each notebook. Its first cell clones this repository
-  ({repo}) and installs it with `pip install -e` (Colab's own torch is kept).
-- **Your machine** (Linux or macOS, Python 3.10+):
+- **Your machine** (Linux or macOS, Python 3.11: the Python the course is tested with), two commands:
   ```bash
   git clone {repo}.git && cd {name}
-  python3 -m venv .venv && .venv/bin/pip install torch -e ".[dev]"
-  .venv/bin/jupyter lab
+  python3 course.py                                    # sets up .venv on first use, then opens the lessons
+  python3 course.py check labs/lab1_collectives.ipynb  # runs a lab headless: its checks, a summary line
   ```
-  or with conda: `conda env create -f environment.yml && conda activate dp-from-scratch && pip install -e . --no-deps`.
+  The first run installs torch {torch} (the CPU build, a small download, unless `nvidia-smi` finds a GPU: then
+  the CUDA build) and the course into `.venv`, in a few minutes; `TORCH_SPEC="torch==X"` picks another torch
+  (supported: torch {supported}; every notebook runs on both ends). A lab's executed copy goes to `build/labs/`:
+  open it to read each check's ✓ lines or the ✗ that says what to fix.
+  With conda instead: `conda env create -f environment.yml && conda activate dp-from-scratch && pip install -e . --no-deps`.
   Open the notebooks from their folders (`lessons/`, `labs/`): their first cell finds the course's `utils`
   package one folder up.
+- **Colab:** the *Open in Colab* badge at the top of each notebook. Its first cell clones this repository
+  ({repo}) and installs it with `pip install -e`; Colab's own torch and Python are kept (the course is
+  tested on Python 3.11 only).
 
 ## Lessons and labs
 {table}
@@ -76,12 +100,36 @@ def _copy_utils(source: Path, target: Path) -> list[Path]:
     return written
 
 
+def without_instructor_note(source: str) -> str:
+    """source without the lessons' instructors' note on lab links (INSTRUCTOR_NOTE)."""
+    def replace(match):
+        before, after = (match["before"] or "").strip(), (match["after"] or "").strip()
+        if before == "(" and after == ")":
+            return ""                                   # "link (note), then" -> "link, then"
+        if before == "(":
+            return match["before"]                      # "(note; more)" -> "(more)"
+        if before == ";" and after == ";":
+            return "; "
+        return after                                    # "(text; note)" -> "(text)"
+    return INSTRUCTOR_NOTE.sub(replace, source)
+
+
 def _lesson_copy(path: Path, student_repo: str, branch: str):
     nb = release.read_notebook(path)
     for cell in nb.cells:
         cell.source = release.rewrite_links(cell.source, cell.get("cell_type"), path.name, student_repo, branch,
                                             folder="lessons")
+        if cell.get("cell_type") == "markdown":
+            cell.source = without_instructor_note(cell.source)
     return nb
+
+
+def supported_torch(root=ROOT) -> tuple:
+    """(pinned version, "oldest to newest") from the course's Makefile: TORCH_SPEC, TORCH_OLDEST, TORCH_NEWEST."""
+    makefile = (Path(root) / "Makefile").read_text()
+    value = {name: re.search(rf"^{name}\s*[?:]?=\s*(?:torch==)?(\S+)", makefile, re.M)[1]
+             for name in ("TORCH_SPEC", "TORCH_OLDEST", "TORCH_NEWEST")}
+    return value["TORCH_SPEC"], f"{value['TORCH_OLDEST']} to {value['TORCH_NEWEST']}"
 
 
 def _table(lessons, labs) -> str:
@@ -122,10 +170,14 @@ def write_distribution(out_dir, student_repo: str, branch: str = "main", root=RO
     for name in ("pyproject.toml", "environment.yml"):
         shutil.copyfile(root / name, out / name)
         written.append(out / name)
+    shutil.copyfile(root / "utils" / START, out / "course.py")
+    (out / ".gitignore").write_text(GITIGNORE)
     name = student_repo.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git")
+    pinned, supported = supported_torch(root)
     (out / "README.md").write_text(STUDENT_README.format(repo=student_repo.removesuffix(".git"), name=name,
-                                                         table=_table(lessons, labs)))
-    written.append(out / "README.md")
+                                                         table=_table(lessons, labs), torch=pinned,
+                                                         supported=supported))
+    written += [out / "course.py", out / ".gitignore", out / "README.md"]
     return written
 
 

@@ -1,6 +1,6 @@
 """Jupyter kernels the course's tools start themselves talk over IPC sockets in a private folder.
 
-`make run` (utils/tools/run.py, via papermill) and the grader (via nbclient) start kernels headless. Over TCP
+utils/tools/run.py (via papermill) and the grader (via nbclient) start kernels headless. Over TCP
 every kernel warns "Kernel is running over TCP without encryption" and listens on localhost ports any local
 user can reach; over IPC its channels are Unix sockets in a folder only we can enter. jupyter_client's IPC
 default is a *relative* "kernel-ipc" path: it litters the notebook's folder (and made nbclient time out),
@@ -10,7 +10,11 @@ stay under ~107 characters. The folder is removed afterwards.
     with ipc_kernel_manager_class() as manager_class:
         papermill.execute_notebook(..., kernel_manager_class=manager_class)
 
-(nbval, which builds its own kernel manager for `make test`, stays on TCP.)
+`output`, a file opened for writing, receives what the kernel process itself writes to its stdout and stderr
+(its own log lines, e.g. "[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel." when a cell is interrupted
+on purpose, and C++ log lines from torch), which otherwise land on the tool's console between its summary lines.
+What cells print still goes into the notebook. (nbval, which builds its own kernel manager for the notebook
+tests, stays on TCP.)
 """
 from __future__ import annotations
 
@@ -37,9 +41,10 @@ def socket_folder(parent=None) -> Path:
 
 
 @contextlib.contextmanager
-def ipc_kernel_manager_class(base=None, parent=None):
+def ipc_kernel_manager_class(base=None, parent=None, output=None):
     """A kernel manager class (subclass of `base`, default AsyncKernelManager) whose kernels use IPC sockets in
-    one private folder, removed when the block ends. Kernels started from it get distinct socket names."""
+    one private folder, removed when the block ends. Kernels started from it get distinct socket names; with
+    `output` (a file open for writing), their processes' stdout and stderr go to it."""
     if base is None:
         from jupyter_client.manager import AsyncKernelManager as base
     folder = socket_folder(parent)
@@ -49,6 +54,13 @@ def ipc_kernel_manager_class(base=None, parent=None):
             kwargs.setdefault("transport", "ipc")
             kwargs.setdefault("ip", str(folder / "k"))
             super().__init__(**kwargs)
+
+        def start_kernel(self, **kwargs):
+            # Popen's own arguments: a restart reuses them (the manager keeps its launch arguments)
+            if output is not None:
+                kwargs.setdefault("stdout", output)
+                kwargs.setdefault("stderr", output)
+            return super().start_kernel(**kwargs)  # a coroutine for an async base: the caller awaits it
 
     try:
         yield IPCKernelManager

@@ -1,12 +1,14 @@
 """Execute every lesson headless, as a student's "Run all" would, and summarise.
 
-    python -m utils.tools.run lessons --out build      (what `make run` does)
+    python -m utils.tools.run lessons --out build      every lesson; folders and single notebooks may be named
 
 Each notebook runs with papermill (default parameters, the best backend this machine has) in its
 own folder as working directory, on a fresh kernel whose channels are IPC sockets in a private folder
 (utils/tools/kernels.py); the executed copies go to build/<folder>/ and a summary table (lesson, status,
-seconds) to build/summary.csv. Exit status 1 if any lesson failed; 2, before anything runs, for a
-folder that does not exist or holds no notebooks.
+seconds) to build/summary.csv. The console shows one line per notebook (a failure's whole message on the next)
+and the total: what the kernel process itself writes (its log, torch's C++ log lines) goes to
+build/<folder>/<notebook>.kernel.log, kept only when not empty and named on the console when the notebook failed. Exit status 1 if any notebook failed; 2, before
+anything runs, for a path that is neither a notebook nor a folder holding notebooks.
 """
 import argparse
 import csv
@@ -20,19 +22,20 @@ def notebooks_in(folder: pathlib.Path) -> list:
     return sorted(p for p in folder.glob("*.ipynb") if not p.name.startswith("."))
 
 
-def run_notebooks(folder: pathlib.Path, out: pathlib.Path, timeout: int) -> list:
-    """Execute each notebook of `folder`; return (name, status, seconds) rows."""
+def run_notebooks(folder: pathlib.Path, out: pathlib.Path, timeout: int, notebooks=None) -> list:
+    """Execute each notebook of `folder` (or only `notebooks`, paths in it); return (name, status, seconds) rows."""
     import papermill
 
     from .kernels import ipc_kernel_manager_class
 
-    notebooks = notebooks_in(folder)
+    notebooks = notebooks_in(folder) if notebooks is None else notebooks
     (out / folder.name).mkdir(parents=True, exist_ok=True)
     rows = []
     for notebook in notebooks:
         start = time.perf_counter()
+        log = out / folder.name / f"{notebook.stem}.kernel.log"
         try:
-            with ipc_kernel_manager_class() as kernel_manager_class:
+            with open(log, "wb") as output, ipc_kernel_manager_class(output=output) as kernel_manager_class:
                 papermill.execute_notebook(str(notebook), str(out / folder.name / notebook.name),
                                            cwd=str(folder), kernel_name="python3", progress_bar=False,
                                            execution_timeout=timeout, kernel_manager_class=kernel_manager_class)
@@ -42,25 +45,38 @@ def run_notebooks(folder: pathlib.Path, out: pathlib.Path, timeout: int) -> list
         seconds = time.perf_counter() - start
         rows.append((notebook.name, status, round(seconds, 1)))
         print(f"{notebook.name:40s} {status:10.60s} {seconds:6.1f} s", flush=True)
+        if status != "ok":
+            print(f"{'':40s} {status}", flush=True)         # a lab check's whole ✗ line: what to fix
+        if log.exists() and log.stat().st_size == 0:
+            log.unlink()
+        elif status != "ok" and log.exists():
+            print(f"{'':40s} the kernel's own output: {log}", flush=True)
     return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m utils.tools.run", description=__doc__.splitlines()[0])
-    parser.add_argument("folders", nargs="+", type=pathlib.Path, help="folders of notebooks, e.g. lessons")
+    parser.add_argument("folders", nargs="+", type=pathlib.Path, metavar="PATH",
+                        help="folders of notebooks (e.g. lessons) or single notebooks (labs/lab1_collectives.ipynb)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("build"))
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error("--timeout must be a positive number of seconds")
-    for folder in args.folders:
-        if not folder.is_dir():
-            parser.error(f"{folder} is not a folder (run from the course's root folder, e.g. `lessons`)")
-        if not notebooks_in(folder):
-            parser.error(f"no notebooks in {folder}/")
+    runs = []  # (folder, its notebooks to run)
+    for path in args.folders:
+        if path.is_file() and path.suffix == ".ipynb":
+            runs.append((path.parent, [path]))
+        elif not path.is_dir():
+            parser.error(f"{path} is neither a folder nor a notebook (run from the course's root folder, "
+                         "e.g. `lessons`)")
+        elif not notebooks_in(path):
+            parser.error(f"no notebooks in {path}/")
+        else:
+            runs.append((path, None))
     rows = []
-    for folder in args.folders:
-        rows += run_notebooks(folder, args.out, args.timeout)
+    for folder, notebooks in runs:
+        rows += run_notebooks(folder, args.out, args.timeout, notebooks)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)

@@ -39,6 +39,13 @@ def lab1_crossover(n, alpha, beta):
     return max(0.0, latency_saved * alpha / (bandwidth_lost * beta))
 
 
+def lab1_expected(kind, key):
+    """The expected value of one cost-model case, as lab1.check_cost_model's `expected` takes it: `kind`
+    "ring_time" or "halving_doubling_time" with key (n, nbytes, alpha, beta), "crossover_bytes" with (n, alpha, beta)."""
+    return {"ring_time": lab1_ring_time, "halving_doubling_time": lab1_halving_doubling_time,
+            "crossover_bytes": lab1_crossover}[kind](*key)
+
+
 def lab1_expected_tables(cases):
     """({(n, nbytes, alpha, beta): (ring time, halving-doubling time)}, {(n, alpha, beta): crossover}) for cases:
     what lab1.py stores for its fixed cases."""
