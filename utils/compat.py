@@ -7,6 +7,7 @@ cell names an argument that some supported torch lacks, and none prints a deprec
     compat.reduce_scatter_single(out, inp)    reduce_scatter_tensor before torch 2.13
     compat.ddp(module, forward_sync_buffers=False, bucket_cap_mb=...)
                                               DDP; its buffer-sync argument was broadcast_buffers before 2.13
+    compat.HAS_ASYNC_SAVE                     whether torch.distributed.checkpoint has async_save
 """
 import inspect
 
@@ -14,9 +15,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["all_gather_single", "reduce_scatter_single", "ddp", "TORCH_VERSION"]
+__all__ = ["all_gather_single", "reduce_scatter_single", "ddp", "TORCH_VERSION", "HAS_ASYNC_SAVE"]
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _has_async_save() -> bool:
+    try:
+        import torch.distributed.checkpoint as dcp
+    except ImportError:
+        return False
+    return hasattr(dcp, "async_save")
+
+
+HAS_ASYNC_SAVE = _has_async_save()  # torch.distributed.checkpoint.async_save: saves in the background
 
 
 def all_gather_single(output, input, group=None, async_op=False):
