@@ -5,7 +5,7 @@ Lesson 08 runs it under torchrun, which restarts every worker when one dies:
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 lessons/scripts/train_ckpt.py \
         --folder RUN --steps 12 --every 4 --die-at 7
 
-With --die-at S, rank 1 kills itself with SIGKILL when about to run step S, the first time only (a marker
+With --die-at S, rank 1 kills itself with SIGKILL after S steps, the first time only (a marker
 file in --folder remembers it died). Each rank checkpoints its own state (model, AdamW, step, its dropout
 RNG) into RUN/step<S>-rank<R>.pt; RUN/latest names the last step that every rank finished writing.
 Events (start, resume, death, end; wall-clock times) go to RUN/events.log, one line each, for the lesson
