@@ -12,6 +12,7 @@ cell names an argument that some supported torch lacks, and none prints a deprec
                                               socket only from torch 2.8
     compat.end_group_before_exit()            dist.destroy_process_group(), which can hang with gloo
                                               before torch 2.8
+    compat.HAS_ASYNC_SAVE                     whether torch.distributed.checkpoint has async_save
 
 A feature some supported torch lacks has a name in FEATURES; a cell that shows it starts with
 `%%requires NAME` (registered when a notebook imports utils): on a torch without it the cell prints one line
@@ -24,9 +25,20 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["all_gather_single", "reduce_scatter_single", "ddp", "tcp_store", "end_group_before_exit", "FEATURES", "requires",
-           "TORCH_VERSION"]
+           "TORCH_VERSION", "HAS_ASYNC_SAVE"]
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _has_async_save() -> bool:
+    try:
+        import torch.distributed.checkpoint as dcp
+    except ImportError:
+        return False
+    return hasattr(dcp, "async_save")
+
+
+HAS_ASYNC_SAVE = _has_async_save()  # torch.distributed.checkpoint.async_save: saves in the background
 
 
 def all_gather_single(output, input, group=None, async_op=False):

@@ -1,0 +1,123 @@
+"""Training that survives a dead rank: checkpoint every few steps, resume from the last complete one.
+
+Lesson 08 runs it under torchrun, which restarts every worker when one dies:
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 lessons/scripts/train_ckpt.py \
+        --folder RUN --steps 12 --every 4 --die-at 7
+
+With --die-at S, rank 1 kills itself with SIGKILL after S steps, the first time only (a marker
+file in --folder remembers it died). Each rank checkpoints its own state (model, AdamW, step, its dropout
+RNG) into RUN/step<S>-rank<R>.pt; RUN/latest names the last step that every rank finished writing.
+Events (start, resume, death, end; wall-clock times) go to RUN/events.log, one line each, for the lesson
+to measure redone steps and restart cost. Rank 0 ends by printing the sha256 of the final parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+try:
+    import utils  # noqa: F401  (only to find the course's package)
+except ImportError:  # running from a checkout that was not pip-installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from utils.data import MarkovSource
+from utils.model import GPT, GPTConfig
+
+
+def log(folder: Path, text: str) -> None:
+    """Append one event line (wall-clock time first): appends of short lines from several ranks do not interleave."""
+    with open(folder / "events.log", "a") as f:
+        f.write(f"{time.time():.6f} rank{dist.get_rank()} {text}\n")
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def save(folder: Path, step: int, model, optimizer) -> None:
+    rank = dist.get_rank()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+             "rng": torch.get_rng_state()}
+    tmp = folder / f"step{step}-rank{rank}.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, folder / f"step{step}-rank{rank}.pt")   # a file is either complete or absent
+    dist.barrier()                                           # every rank has written step `step`
+    if rank == 0:
+        (folder / "latest.tmp").write_text(str(step))
+        os.replace(folder / "latest.tmp", folder / "latest")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, required=True, help="checkpoints, marker and events.log go here")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=4, help="checkpoint after every EVERY steps")
+    parser.add_argument("--die-at", type=int, default=None, help="rank 1 kills itself before this step, once")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    log(args.folder, f"start attempt={attempt}")
+
+    source = MarkovSource(seed=args.seed)
+    config = GPTConfig(vocab_size=source.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
+    torch.manual_seed(args.seed)
+    model = GPT(config)
+    torch.manual_seed(args.seed + 1 + rank)                  # each rank's own dropout stream
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    step = 0
+    latest = args.folder / "latest"
+    if latest.exists():
+        step = int(latest.read_text())
+        state = torch.load(args.folder / f"step{step}-rank{rank}.pt")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        log(args.folder, f"resumed step={step}")
+
+    params = list(model.parameters())
+    model.train()
+    while step < args.steps:
+        marker = args.folder / "died"
+        if rank == 1 and step == args.die_at and not marker.exists():
+            marker.write_text("")
+            log(args.folder, f"killed step={step}")
+            os.kill(os.getpid(), signal.SIGKILL)             # a real death: no exception, no cleanup
+        inputs, targets = source.batch(step, 2, 16, rank, world)
+        loss = model(inputs, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])   # one fixed layout: same sums every step
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        optimizer.step()
+        step += 1
+        if step % args.every == 0:
+            save(args.folder, step, model, optimizer)
+    log(args.folder, f"finished step={step}")
+    if rank == 0:
+        print(f"final parameters sha256 {parameter_digest(model)}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Lesson 08's bitwise-resume check can fail: it passes with the whole state restored and fails when one item is left out.
+
+The lesson's own cells (parameters, imports, the sampler, train_run and compare_runs) are run here as they are
+stored, so the test checks the code the student reads, not a copy.
+"""
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import utils
+from utils.checks import check
+
+LESSON = Path(__file__).resolve().parents[1] / "lessons" / "08_checkpoints_and_failures.ipynb"
+CELL_STARTS = ("# Parameters", "import os", "class ResumableSampler", "STATE_ITEMS")
+
+
+@pytest.fixture(scope="module")
+def lesson():
+    cells = [c for c in json.loads(LESSON.read_text())["cells"] if c["cell_type"] == "code"]
+    namespace = {"__name__": "lesson08"}
+    for start in CELL_STARTS:
+        found = [c for c in cells if "".join(c["source"]).startswith(start)]
+        assert len(found) == 1, f"lesson 08 has one code cell starting {start!r}"
+        exec(compile("".join(found[0]["source"]), f"<lesson 08: {start}>", "exec"), namespace)
+    namespace.update(steps=6, save_at=3)          # shorter than the lesson's run, still across an epoch boundary
+    return namespace
+
+
+def bitwise_claim(lesson, folder, leave_out=()):
+    straight = utils.launch(lesson["train_run"], 6, folder, world_size=4)
+    utils.launch(lesson["train_run"], 3, folder, save_at=3, world_size=4)
+    resumed = utils.launch(lesson["train_run"], 6, folder, resume=True, leave_out=leave_out, world_size=4)
+    part, diff = lesson["compare_runs"](straight, resumed, 4)
+    check(part is None, "resumed run bitwise equal to the straight one", f"they part at step {part} by {diff:.3g}")
+
+
+def test_full_state_resumes_bitwise(lesson):
+    with tempfile.TemporaryDirectory() as folder:
+        bitwise_claim(lesson, folder)
+
+
+@pytest.mark.parametrize("item", ["rng", "sampler", "optimizer"])
+def test_check_fails_when_an_item_is_left_out(lesson, item):
+    with tempfile.TemporaryDirectory() as folder:
+        with pytest.raises(AssertionError, match="part at step 4"):
+            bitwise_claim(lesson, folder, leave_out=(item,))
