@@ -205,3 +205,66 @@ def test_solution_cells_that_never_finish_fail_every_part_once(monkeypatch):
         assert "no result after 5 s while running your solution cells: code at the top level" in \
             result["parts"][part]["message"]
     assert verdict_processes() == []
+
+
+# ------------------------------------------------------------------ traffic loopholes, graded again and again
+
+PADDED_CHUNKS = '''def reduce_scatter(tensor):
+    # a ring that pads every chunk to the largest one: right sums, more bytes where N does not divide the length
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.tensor_split(n)
+    rows = torch.zeros(n, chunks[0].numel(), dtype=tensor.dtype, device=tensor.device)
+    for row, chunk in zip(rows, chunks):
+        row[:chunk.numel()] = chunk
+    inbox = torch.empty_like(rows[0])
+    for step in range(n - 1):
+        outgoing, incoming = rows[(rank - 1 - step) % n], rows[(rank - 2 - step) % n]
+        exchange(outgoing, (rank + 1) % n, inbox, (rank - 1) % n)
+        incoming += inbox
+    return rows[rank][:chunks[rank].numel()]
+'''
+TWO_MESSAGES_PER_STEP = '''def all_gather(chunk, length):
+    # a ring that sends every chunk in two messages: right result, right bytes, twice the messages
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.empty(length, dtype=chunk.dtype, device=chunk.device)
+    pieces = out.tensor_split(n)
+    pieces[rank].copy_(chunk)
+    for step in range(n - 1):
+        outgoing, incoming = pieces[(rank - step) % n], pieces[(rank - step - 1) % n]
+        for a, b in zip(outgoing.tensor_split(2), incoming.tensor_split(2)):
+            exchange(a, (rank + 1) % n, b, (rank - 1) % n)
+    return out
+'''
+
+
+def padded_halving_doubling():
+    """The reference halving-doubling run on the tensor padded to a multiple of p: right sums, more bytes."""
+    source = reference_solution("halving_doubling_code").replace(
+        "def all_reduce_halving_doubling(tensor):", "def _unpadded(tensor):")
+    return source + '''
+
+def all_reduce_halving_doubling(tensor):
+    n = dist.get_world_size()
+    p = 1 << (n.bit_length() - 1)
+    padded = torch.zeros(-(-tensor.numel() // p) * p, dtype=tensor.dtype, device=tensor.device)
+    padded[:tensor.numel()] = tensor
+    return _unpadded(padded)[:tensor.numel()]
+'''
+
+
+def test_padding_and_extra_messages_score_zero_on_every_grading():
+    """Right sums, wrong traffic: each affected part fails on every grading (fresh cases each time, among them
+    always a length N does not divide); the untouched part passes every time."""
+    job = {"verdicts": str(module_path("lab1_collectives")), "task_timeout": 60,
+           "parts": ["reduce_scatter", "all_gather", "halving_doubling", "cost_comparison"],
+           "cells": lab_cells(reduce_scatter_code=PADDED_CHUNKS, all_gather_code=TWO_MESSAGES_PER_STEP,
+                              halving_doubling_code=padded_halving_doubling())}
+    for grading in range(3):
+        parts = checker.check(job)["parts"]
+        assert not parts["reduce_scatter"]["passed"] and "(M minus chunk" in parts["reduce_scatter"]["message"]
+        assert not parts["all_gather"]["passed"] and "at most" in parts["all_gather"]["message"] and \
+            "N-1 steps around the ring" in parts["all_gather"]["message"]
+        assert not parts["halving_doubling"]["passed"] and "all ranks together" in \
+            parts["halving_doubling"]["message"]
+        assert parts["cost_comparison"]["passed"], parts["cost_comparison"]
+    assert verdict_processes() == []
