@@ -17,6 +17,8 @@ from utils.tools.grade import checker, wire
 from utils.tools.grade.verdicts import module_path
 from utils.tools.release import read_notebook
 
+import test_lab1_checks  # its wrong solutions, graded here as solution cells
+
 ROOT = Path(__file__).resolve().parents[1]
 TASK_TIMEOUT = 5
 
@@ -209,32 +211,11 @@ def test_solution_cells_that_never_finish_fail_every_part_once(monkeypatch):
 
 # ------------------------------------------------------------------ traffic loopholes, graded again and again
 
-PADDED_CHUNKS = '''def reduce_scatter(tensor):
-    # a ring that pads every chunk to the largest one: right sums, more bytes where N does not divide the length
-    rank, n = dist.get_rank(), dist.get_world_size()
-    chunks = tensor.tensor_split(n)
-    rows = torch.zeros(n, chunks[0].numel(), dtype=tensor.dtype, device=tensor.device)
-    for row, chunk in zip(rows, chunks):
-        row[:chunk.numel()] = chunk
-    inbox = torch.empty_like(rows[0])
-    for step in range(n - 1):
-        outgoing, incoming = rows[(rank - 1 - step) % n], rows[(rank - 2 - step) % n]
-        exchange(outgoing, (rank + 1) % n, inbox, (rank - 1) % n)
-        incoming += inbox
-    return rows[rank][:chunks[rank].numel()]
-'''
-TWO_MESSAGES_PER_STEP = '''def all_gather(chunk, length):
-    # a ring that sends every chunk in two messages: right result, right bytes, twice the messages
-    rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.empty(length, dtype=chunk.dtype, device=chunk.device)
-    pieces = out.tensor_split(n)
-    pieces[rank].copy_(chunk)
-    for step in range(n - 1):
-        outgoing, incoming = pieces[(rank - step) % n], pieces[(rank - step - 1) % n]
-        for a, b in zip(outgoing.tensor_split(2), incoming.tensor_split(2)):
-            exchange(a, (rank + 1) % n, b, (rank - 1) % n)
-    return out
-'''
+def renamed(function, name):
+    """A wrong solution of tests/test_lab1_checks.py as a solution cell's source, under the lab's name."""
+    import inspect
+
+    return inspect.getsource(function).replace(f"def {function.__name__}(", f"def {name}(", 1)
 
 
 def padded_halving_doubling():
@@ -257,7 +238,8 @@ def test_padding_and_extra_messages_score_zero_on_every_grading():
     always a length N does not divide); the untouched part passes every time."""
     job = {"verdicts": str(module_path("lab1_collectives")), "task_timeout": 60,
            "parts": ["reduce_scatter", "all_gather", "halving_doubling", "cost_comparison"],
-           "cells": lab_cells(reduce_scatter_code=PADDED_CHUNKS, all_gather_code=TWO_MESSAGES_PER_STEP,
+           "cells": lab_cells(reduce_scatter_code=renamed(test_lab1_checks.rs_padded, "reduce_scatter"),
+                              all_gather_code=renamed(test_lab1_checks.ag_in_two_messages, "all_gather"),
                               halving_doubling_code=padded_halving_doubling())}
     for grading in range(3):
         parts = checker.check(job)["parts"]

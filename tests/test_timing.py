@@ -39,3 +39,14 @@ def test_separated_spreads_name_the_faster_variant():
     assert separated(a, b)
     verdict = compare(a, b, "slow one", "fast one")
     assert verdict.startswith("fast one is 2") and "faster than slow one" in verdict
+
+
+def test_throughput_is_tokens_per_step_over_the_median_step_after_warm_up():
+    from utils.timing import throughput
+    steps = [9.0] * 5 + [0.010, 0.020, 0.040, 0.020, 0.010]   # five slow warm-up steps, then five kept
+    t = throughput(steps, 1000, warmup=5)
+    assert t.median == pytest.approx(1000 / 0.020) and t.count == 5
+    assert t.low == pytest.approx(1000 / 0.040) and t.high == pytest.approx(1000 / 0.010)
+    assert t.low <= t.q1 <= t.median <= t.q3 <= t.high
+    with pytest.raises(ValueError, match="warm-up"):
+        throughput(steps[:5], 1000, warmup=5)

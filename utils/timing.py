@@ -90,3 +90,17 @@ def compare(a: Sequence[float], b: Sequence[float], name_a: str, name_b: str, sc
     fast, slow = (name_a, name_b) if sa.median < sb.median else (name_b, name_a)
     ratio = max(sa.median, sb.median) / min(sa.median, sb.median)
     return f"{fast} is {ratio:.3g}× faster than {slow} ({detail}; their interquartile ranges do not overlap)"
+
+
+def throughput(step_seconds: Sequence[float], tokens_per_step: float, warmup: int = 5) -> Spread:
+    """Tokens/s the course's one way: after `warmup` steps, tokens per step over the median step time.
+
+    Returns a Spread of tokens/s: median = tokens_per_step / median step time; the quartiles and min/max
+    come from the step times' (a slower step is a lower rate: q1 from the step times' q3, low from their max).
+    """
+    kept = list(step_seconds)[warmup:]
+    if not kept:
+        raise ValueError(f"throughput needs more than {warmup} step times: the first {warmup} are warm-up")
+    t = Spread.of(kept)
+    return Spread(tokens_per_step / t.median, tokens_per_step / t.q3, tokens_per_step / t.q1,
+                  tokens_per_step / t.high, tokens_per_step / t.low, t.count)
