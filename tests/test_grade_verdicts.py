@@ -17,6 +17,8 @@ from utils.tools.grade import checker, wire
 from utils.tools.grade.verdicts import module_path
 from utils.tools.release import read_notebook
 
+import test_lab1_checks  # its wrong solutions, graded here as solution cells
+
 ROOT = Path(__file__).resolve().parents[1]
 TASK_TIMEOUT = 5
 
@@ -204,4 +206,47 @@ def test_solution_cells_that_never_finish_fail_every_part_once(monkeypatch):
     for part in ("reduce_scatter", "cost_comparison"):
         assert "no result after 5 s while running your solution cells: code at the top level" in \
             result["parts"][part]["message"]
+    assert verdict_processes() == []
+
+
+# ------------------------------------------------------------------ traffic loopholes, graded again and again
+
+def renamed(function, name):
+    """A wrong solution of tests/test_lab1_checks.py as a solution cell's source, under the lab's name."""
+    import inspect
+
+    return inspect.getsource(function).replace(f"def {function.__name__}(", f"def {name}(", 1)
+
+
+def padded_halving_doubling():
+    """The reference halving-doubling run on the tensor padded to a multiple of p: right sums, more bytes."""
+    source = reference_solution("halving_doubling_code").replace(
+        "def all_reduce_halving_doubling(tensor):", "def _unpadded(tensor):")
+    return source + '''
+
+def all_reduce_halving_doubling(tensor):
+    n = dist.get_world_size()
+    p = 1 << (n.bit_length() - 1)
+    padded = torch.zeros(-(-tensor.numel() // p) * p, dtype=tensor.dtype, device=tensor.device)
+    padded[:tensor.numel()] = tensor
+    return _unpadded(padded)[:tensor.numel()]
+'''
+
+
+def test_padding_and_extra_messages_score_zero_on_every_grading():
+    """Right sums, wrong traffic: each affected part fails on every grading (fresh cases each time, among them
+    always a length N does not divide); the untouched part passes every time."""
+    job = {"verdicts": str(module_path("lab1_collectives")), "task_timeout": 60,
+           "parts": ["reduce_scatter", "all_gather", "halving_doubling", "cost_comparison"],
+           "cells": lab_cells(reduce_scatter_code=renamed(test_lab1_checks.rs_padded, "reduce_scatter"),
+                              all_gather_code=renamed(test_lab1_checks.ag_in_two_messages, "all_gather"),
+                              halving_doubling_code=padded_halving_doubling())}
+    for grading in range(3):
+        parts = checker.check(job)["parts"]
+        assert not parts["reduce_scatter"]["passed"] and "(M minus chunk" in parts["reduce_scatter"]["message"]
+        assert not parts["all_gather"]["passed"] and "at most" in parts["all_gather"]["message"] and \
+            "N-1 steps around the ring" in parts["all_gather"]["message"]
+        assert not parts["halving_doubling"]["passed"] and "all ranks together" in \
+            parts["halving_doubling"]["message"]
+        assert parts["cost_comparison"]["passed"], parts["cost_comparison"]
     assert verdict_processes() == []

@@ -208,10 +208,10 @@ def test_hub_reduce_scatter_fails_on_bytes():
 
 
 def test_a_direct_reduce_scatter_is_not_a_ring():
-    # the bytes are the ring's (N-1)/N × M, so only the peers tell
+    # where N divides the length the bytes are the ring's (N-1)/N × M, so only the peers tell
     message = _fails(r"rank 0, length 3: sent 4 bytes to rank 2; around a ring rank 0 sends only to rank 1 "
                      r"\(r\+1\) and receives only from rank 2 \(r-1\)", lab1.check_reduce_scatter, rs_direct,
-                     world_sizes=(3,))
+                     world_sizes=(3,), lengths=(3, 24, 240))
     assert "rank 0, length 3: received 4 bytes from rank 1; around a ring" in message
     assert "expected" not in message  # no byte count is wrong
 
@@ -281,8 +281,10 @@ def test_deadlock_is_reported_as_such():
 
 @pytest.mark.skipif(ON_NCCL, reason="NCCL has no receive from any source")
 def test_a_receive_from_an_unnamed_source_is_reported():
+    # lengths with every chunk filled: gloo's any-source receive of an empty chunk crashes before any count
     _fails(r"rank 0, length 3: received 8 bytes from an unnamed source \(a receive without src\); around a "
-           r"ring rank 0 sends only to rank 1", lab1.check_all_gather, ag_receives_from_anyone, world_sizes=(3,))
+           r"ring rank 0 sends only to rank 1", lab1.check_all_gather, ag_receives_from_anyone, world_sizes=(3,),
+           lengths=(3, 7, 24))
 
 
 def test_missing_return_value():
@@ -347,8 +349,9 @@ def test_power_of_two_only_solution_is_rejected():
            lab1.check_halving_doubling, hd_power_of_two_only, world_sizes=(3,), timeout=5)
 
 
-def _halving_doubling(tensor, rank_at, position_of):
-    """The lab's algorithm, with the position -> rank and rank -> position mappings passed in."""
+def _halving_doubling(tensor, rank_at, position_of, round_up=False):
+    """The lab's algorithm, with the position -> rank and rank -> position mappings passed in (round_up: split
+    a range at its upper middle, another reasonable choice for lengths nobody divides)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     result = tensor.clone()
     p = 1 << (n.bit_length() - 1)
@@ -366,7 +369,7 @@ def _halving_doubling(tensor, rank_at, position_of):
     lo, hi, history, distance = 0, result.numel(), [], p // 2
     while distance >= 1:
         partner = rank_at(me ^ distance, extra)
-        mid = lo + (hi - lo) // 2
+        mid = lo + (hi - lo + round_up) // 2
         keep, give = ((lo, mid), (mid, hi)) if me & distance == 0 else ((mid, hi), (lo, mid))
         exchange(result[give[0]:give[1]], partner, inbox[keep[0]:keep[1]], partner)
         result[keep[0]:keep[1]] += inbox[keep[0]:keep[1]]
@@ -451,8 +454,9 @@ def test_sum_missing_a_contribution_names_the_chunks():
 def test_a_ring_is_not_halving_doubling():
     _fails(r"sent 6 messages, at most 4 expected", lab1.check_halving_doubling, ring_all_reduce,
            world_sizes=(4,))
-    _fails(r"rank 0, length 24 \(M = 96 bytes\): sent 128 bytes, expected 96 \(folded rank: M out, M back\).*"
-           r"rank 0, length 3: received 16 bytes from rank 2; rank 0 is folded: it exchanges only with rank 1",
+    _fails(r"rank 0, length 3: sent 4 messages, at most 1 expected \(one send of the whole tensor to its odd "
+           r"partner\).*rank 0, length 3: received 16 bytes from rank 2; rank 0 is folded: it exchanges only with "
+           r"rank 1",
            lab1.check_halving_doubling, ring_all_reduce, world_sizes=(3,), dtypes=(torch.float32,))
 
 
@@ -543,3 +547,86 @@ def test_stored_cost_values_are_in_step_with_the_private_reference():
     assert reference_formulas.lab1_tables_source(lab1.COST_CASES) in source
     for formula in ("2 * (n - 1) * (alpha + nbytes / n * beta)", "latency_saved", "bandwidth_lost"):
         assert formula not in source, f"lab1.py (students receive it) holds a reference formula: {formula}"
+
+
+# ------------------------------------------------------------------ traffic loopholes: right sums, wrong traffic
+
+def rs_padded(tensor):
+    """A ring reduce-scatter that pads every chunk to the largest: right sums, more bytes where N does not
+    divide the length."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.tensor_split(n)
+    rows = torch.zeros(n, chunks[0].numel(), dtype=tensor.dtype, device=tensor.device)
+    for row, chunk in zip(rows, chunks):
+        row[:chunk.numel()] = chunk
+    inbox = torch.empty_like(rows[0])
+    for step in range(n - 1):
+        outgoing, incoming = rows[(rank - 1 - step) % n], rows[(rank - 2 - step) % n]
+        exchange(outgoing, (rank + 1) % n, inbox, (rank - 1) % n)
+        incoming += inbox
+    return rows[rank][:chunks[rank].numel()]
+
+
+def ag_in_two_messages(chunk, length):
+    """A ring all-gather that sends every chunk as two messages: right result and bytes, twice the messages."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.empty(length, dtype=chunk.dtype, device=chunk.device)
+    pieces = out.tensor_split(n)
+    pieces[rank].copy_(chunk)
+    for step in range(n - 1):
+        outgoing, incoming = pieces[(rank - step) % n], pieces[(rank - step - 1) % n]
+        for a, b in zip(outgoing.tensor_split(2), incoming.tensor_split(2)):
+            exchange(a, (rank + 1) % n, b, (rank - 1) % n)
+    return out
+
+
+def hd_padded(tensor):
+    """The lab's halving-doubling on the tensor padded to a multiple of p: right sums, more bytes."""
+    n = dist.get_world_size()
+    p = 1 << (n.bit_length() - 1)
+    padded = torch.zeros(-(-tensor.numel() // p) * p, dtype=tensor.dtype, device=tensor.device)
+    padded[:tensor.numel()] = tensor
+    lab_rank_at = lambda q, e: 2 * q + 1 if q < e else q + e
+    return _halving_doubling(padded, lab_rank_at, _lab_position)[:tensor.numel()]
+
+
+def hd_upper_middle(tensor):
+    """The lab's algorithm splitting every range at its upper middle: another split, the same total bytes."""
+    return _halving_doubling(tensor, lambda q, e: 2 * q + 1 if q < e else q + e, _lab_position, round_up=True)
+
+
+def test_padding_every_chunk_fails_on_bytes_where_n_does_not_divide():
+    lab1.check_reduce_scatter(rs_padded, world_sizes=(2, 4), lengths=(8, 24), dtypes=(torch.float32,))  # even
+    _fails(r"reduce_scatter at N=3:.*\(M = \d+ bytes\): (sent|received) \d+ bytes, expected \d+ "
+           r"\(M minus chunk",
+           lab1.check_reduce_scatter, rs_padded, world_sizes=(3,))
+
+
+def test_a_ring_in_more_messages_fails_on_messages():
+    _fails(r"all_gather at N=3:.*rank 0, length \d+: sent [4-9] messages, at most 2 expected \(N-1 steps around "
+           r"the ring", lab1.check_all_gather, ag_in_two_messages, world_sizes=(3,), dtypes=(torch.float32,))
+
+
+def test_empty_chunks_are_part_of_the_contract(reference):
+    for check, fn in ((lab1.check_reduce_scatter, reference["reduce_scatter"]),
+                      (lab1.check_all_gather, reference["all_gather"]),
+                      (lab1.check_halving_doubling, reference["all_reduce_halving_doubling"])):
+        check(fn, world_sizes=(3, 4), lengths=(1, 2, 3), dtypes=(torch.float32,))
+
+
+def test_halving_doubling_padding_fails_and_another_split_passes():
+    lab1.check_halving_doubling(hd_upper_middle, world_sizes=(3, 4, 6), dtypes=(torch.float32,))
+    _fails(r"length \d+ \(M = \d+ bytes\): all ranks together sent \d+ bytes \(per rank \[.*\]\), expected \d+",
+           lab1.check_halving_doubling, hd_padded, world_sizes=(4,), dtypes=(torch.float32,))
+
+
+def test_ring_bytes_formula():
+    # N = 3, length 7: chunks of 3, 2, 2 elements (float32: 12, 8, 8 bytes), M = 28
+    assert [lab1.ring_bytes("reduce_scatter", r, 3, 7, 4)["sent"] for r in range(3)] == [16, 20, 20]
+    assert [lab1.ring_bytes("reduce_scatter", r, 3, 7, 4)["received"] for r in range(3)] == [20, 16, 20]
+    assert [lab1.ring_bytes("all_gather", r, 3, 7, 4)["sent"] for r in range(3)] == [20, 20, 16]
+    assert [lab1.ring_bytes("all_gather", r, 3, 7, 4)["received"] for r in range(3)] == [16, 20, 20]
+    assert all(lab1.ring_bytes(k, r, 4, 24, 8)["sent"] == lab1.scatter_gather_bytes(r, 4, 192)["sent"]
+               for k in ("reduce_scatter", "all_gather") for r in range(4))
+    assert lab1.halving_doubling_total_bytes(3, 4800) == 4800 + 9600 + 4800
+    assert lab1.halving_doubling_total_bytes(4, 4800) == 4 * 7200

@@ -51,3 +51,14 @@ def test_below_four_samples_the_labels_say_min_max():
     assert mixed.endswith("ranges (interquartile from 4 samples, min–max below) do not overlap)")
     assert compare([2.0, 2.1, 2.2, 2.3], [1.0, 1.05, 1.1, 1.2], "a", "b").endswith(
         "their interquartile ranges do not overlap)")                            # n ≥ 4: as before
+
+
+def test_throughput_is_tokens_per_step_over_the_median_step_after_warm_up():
+    from utils.timing import throughput
+    steps = [9.0] * 5 + [0.010, 0.020, 0.040, 0.020, 0.010]   # five slow warm-up steps, then five kept
+    t = throughput(steps, 1000, warmup=5)
+    assert t.median == pytest.approx(1000 / 0.020) and t.count == 5
+    assert t.low == pytest.approx(1000 / 0.040) and t.high == pytest.approx(1000 / 0.010)
+    assert t.low <= t.q1 <= t.median <= t.q3 <= t.high
+    with pytest.raises(ValueError, match="warm-up"):
+        throughput(steps[:5], 1000, warmup=5)

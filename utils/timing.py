@@ -104,3 +104,17 @@ def _range_label(count_a: int, count_b: int) -> str:
     if count_a < 4 and count_b < 4:
         return "min–max ranges"
     return "ranges (interquartile from 4 samples, min–max below)"
+
+
+def throughput(step_seconds: Sequence[float], tokens_per_step: float, warmup: int = 5) -> Spread:
+    """Tokens/s the course's one way: after `warmup` steps, tokens per step over the median step time.
+
+    Returns a Spread of tokens/s: median = tokens_per_step / median step time; the quartiles and min/max
+    come from the step times' (a slower step is a lower rate: q1 from the step times' q3, low from their max).
+    """
+    kept = list(step_seconds)[warmup:]
+    if not kept:
+        raise ValueError(f"throughput needs more than {warmup} step times: the first {warmup} are warm-up")
+    t = Spread.of(kept)
+    return Spread(tokens_per_step / t.median, tokens_per_step / t.q3, tokens_per_step / t.q1,
+                  tokens_per_step / t.high, tokens_per_step / t.low, t.count)

@@ -27,13 +27,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-try:
-    import utils
-except ImportError:  # running from a checkout that was not pip-installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    import utils
+_CHECKOUT = Path(__file__).resolve().parents[2]
+if (_CHECKOUT / "utils" / "__init__.py").is_file():  # in a checkout of the course: its own utils, installed or not
+    sys.path.insert(0, str(_CHECKOUT))
+import utils
 from utils.data import MarkovSource
 from utils.model import GPT, GPTConfig
+from utils.timing import throughput
 
 
 def parameter_checksum(model: torch.nn.Module) -> tuple[float, str]:
@@ -55,7 +55,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
 
     batch_size is per rank (the micro batch): the effective batch is batch_size x world_size.
     Returns this rank's summary: final loss (averaged over ranks and the last 20 steps),
-    parameter checksum, tokens/s of the whole job (after `warmup_steps`), epochs started.
+    parameter checksum, tokens/s of the whole job, epochs started. Throughput is measured as in lesson 01:
+    after `warmup_steps` steps, the job's tokens per step over the median step time (with its spread).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = utils.device()
@@ -75,14 +76,11 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=lr, betas=(0.9, 0.95),
                                   weight_decay=weight_decay)
 
-    losses, step, epoch, start = [], 0, 0, None
+    losses, step_seconds, step, epoch = [], [], 0, 0
+    last = time.perf_counter()
     while step < steps:
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         for x, y in loader:
-            if step == warmup_steps:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
             x, y = x.to(device), y.to(device)
             loss = ddp_model(x, y)
             optimizer.zero_grad(set_to_none=True)
@@ -90,21 +88,24 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
             torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip)  # same norm on every rank
             optimizer.step()
             losses.append(loss.detach())
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # a step's time ends when its GPU work does
+            now = time.perf_counter()
+            step_seconds.append(now - last)  # loading the batch included
+            last = now
             step += 1
             if log_every and rank == 0 and step % log_every == 0:
                 print(f"step {step:4d}  loss {loss.item():.4f}")
             if step == steps:
                 break
         epoch += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start if start is not None else float("nan")
 
     final = torch.stack(losses[-20:]).mean()
     dist.all_reduce(final)  # the loss of the whole job, not of this rank's shard
     final = final.item() / world_size
     checksum, digest = parameter_checksum(model)
-    timed_steps = steps - warmup_steps
+    tokens_per_step = batch_size * seq_len * world_size  # the whole job's
+    rate = throughput(step_seconds, tokens_per_step, warmup_steps) if steps > warmup_steps else None
     return {
         "rank": rank,
         "world_size": world_size,
@@ -112,7 +113,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
         "loss_floor": source.loss_floor(seq_len),
         "checksum": checksum,
         "digest": digest,
-        "tokens_per_s": timed_steps * batch_size * seq_len * world_size / elapsed if timed_steps > 0 else float("nan"),
+        "tokens_per_s": rate.median if rate else float("nan"),
+        "tokens_per_s_spread": tuple(rate) if rate else None,  # utils.timing.Spread fields
         "epochs": epoch,
         "steps": step,
     }

@@ -13,9 +13,12 @@ it: each rank gets its own copy of the input, and the checks only read what come
 
 The traffic rules (the grader shares them):
   - reduce-scatter and all-gather run around a ring (`ring_peers`): rank r sends only to r+1 and receives only
-    from r-1 (mod N), and moves (N-1)/N × M each way when N divides the length (`scatter_gather_bytes`);
-  - halving-doubling follows the lab's fold rule: partners (`halving_doubling_peers`), bytes and messages
-    (`halving_doubling_bytes`).
+    from r-1 (mod N), in at most N-1 messages, and moves exactly M minus one chunk each way at every length
+    (`ring_bytes`; (N-1)/N × M when N divides the length, `scatter_gather_bytes`);
+  - halving-doubling follows the lab's fold rule: partners (`halving_doubling_peers`), messages, and bytes
+    (`halving_doubling_bytes` per rank where N and p divide the length, `halving_doubling_total_bytes` for all
+    ranks together at every length).
+  `traffic_problems` applies them to one case; the grader's verdicts call it too.
 
 The checks launch with backend "auto": gloo on CPUs, NCCL with one GPU per rank. The inputs they hand to the
 student's function live on the rank's device (`utils.device()`); results are compared on the CPU.
@@ -130,39 +133,67 @@ def diagnose(kind, got, total, own_input, bounds, rank, label):
 def _cases(world_size, lengths, dtypes, seed=0):
     if lengths is None:
         n = world_size
-        lengths = (n, 2 * n + 1, 24, 24 * 7 + n - 1, 240)  # 1 element per chunk, uneven, even
+        # 1 element per chunk, uneven, even; then empty chunks (1 and N-1 elements), last so that the first
+        # lines of a failure show a typical mistake at lengths with every chunk filled
+        lengths = tuple(dict.fromkeys((n, 2 * n + 1, 24, 24 * 7 + n - 1, 240, 1, n - 1)))
     return [(length, dtype, seed + i) for i, length in enumerate(lengths) for dtype in dtypes]
 
 
 # ------------------------------------------------------------------ the traffic each algorithm must have
 
-def _check_traffic(n, cases, per_rank, expected_bytes, bytes_divisor, expected_peers):
-    """Compare every rank's measured traffic with the algorithm's: its peers in every case, and its bytes
-    (and messages) against expected_bytes(rank, n, nbytes) for the lengths `bytes_divisor` divides.
+def traffic_problems(kind, n, length, itemsize, summaries):
+    """(volume lines, {key: peer line}) for one case: every rank's measured traffic against the algorithm's.
 
-    Bytes are compared only where the chunking is even: there the formulas are exact whichever way a
-    correct solution splits uneven lengths. A wrong peer is reported once per rank and peer (the first
-    length it happened at); volume and peer lines alternate, so the first lines show both kinds.
+    kind: "reduce_scatter", "all_gather" or "all_reduce" (halving-doubling); summaries: per rank, a
+    `bytecount` summary (sent, received, messages_sent, by_peer). Checked at every length, chunks empty or
+    not: each rank's peers; its messages against the algorithm's cap; the ring's bytes per rank exactly
+    (`ring_bytes`); halving-doubling's bytes per rank where N and p divide the length
+    (`halving_doubling_bytes`) and, at every length, the bytes of all ranks together
+    (`halving_doubling_total_bytes`, the same for any split of the ranges). Padding a chunk or sending a
+    range twice therefore fails at some length, and so does cutting a message into pieces.
     """
+    nbytes = length * itemsize
+    peers_of = halving_doubling_peers if kind == "all_reduce" else ring_peers
+    volume, peers = [], {}
+    for rank, s in enumerate(summaries):
+        for key, line in _peer_problems(rank, length, s, *peers_of(rank, n)):
+            peers.setdefault(key, line)
+        if kind == "all_reduce":
+            want = halving_doubling_bytes(rank, n, nbytes)
+            p, _ = power_of_two_below(n)
+            if length % math.lcm(n, p):  # uneven ranges: the per-rank split is the solution's own choice
+                want = {k: v for k, v in want.items() if k not in ("sent", "received")}
+        else:
+            want = ring_bytes(kind, rank, n, length, itemsize)
+        for key in ("sent", "received"):
+            if key in want and s[key] != want[key]:
+                volume.append(f"rank {rank}, length {length} (M = {nbytes} bytes): {key} {s[key]} bytes, "
+                              f"expected {want[key]} ({want['why']})")
+        if s["messages_sent"] > want["max_messages"]:
+            volume.append(f"rank {rank}, length {length}: sent {s['messages_sent']} messages, at most "
+                          f"{want['max_messages']} expected ({want['why_messages']})")
+    if kind == "all_reduce":
+        total = halving_doubling_total_bytes(n, nbytes)
+        for key in ("sent", "received"):
+            measured = [s[key] for s in summaries]
+            if sum(measured) != total:
+                volume.append(f"length {length} (M = {nbytes} bytes): all ranks together {key} {sum(measured)} "
+                              f"bytes (per rank {measured}), expected {total} ({total // nbytes} × M: each "
+                              "pair moves exactly the range it shares, once; no padding, nothing twice)")
+    return volume, peers
+
+
+def _check_traffic(kind, n, cases, per_rank):
+    """Every rank's measured traffic in every case against the algorithm's (traffic_problems). A wrong peer
+    is reported once per rank and peer (the first length it happened at); volume and peer lines alternate,
+    so the first lines show both kinds."""
     volume, peers = [], {}
     for index, (length, dtype, _) in enumerate(cases):
-        nbytes = length * torch.tensor([], dtype=dtype).element_size()
-        for rank, summaries in enumerate(per_rank):
-            s = summaries[index]
-            for key, line in _peer_problems(rank, length, s, *expected_peers(rank, n)):
-                peers.setdefault(key, line)
-            if length % bytes_divisor:
-                continue
-            want = expected_bytes(rank, n, nbytes)
-            for key in ("sent", "received"):
-                if s[key] != want[key]:
-                    volume.append(
-                        f"rank {rank}, length {length} (M = {nbytes} bytes): {key} {s[key]} bytes, "
-                        f"expected {want[key]} ({want['why']})")
-            if "max_messages" in want and s["messages_sent"] > want["max_messages"]:
-                volume.append(
-                    f"rank {rank}, length {length}: sent {s['messages_sent']} messages, at most "
-                    f"{want['max_messages']} expected ({want['why_messages']})")
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        lines, found = traffic_problems(kind, n, length, itemsize, [s[index] for s in per_rank])
+        volume += lines
+        for key, line in found.items():
+            peers.setdefault(key, line)
     pairs = itertools.zip_longest(volume, peers.values())
     return [line for pair in pairs for line in pair if line is not None]
 
@@ -219,6 +250,39 @@ def scatter_gather_bytes(rank, n, nbytes):
     return dict(sent=share, received=share, why="(N-1)/N × M: each rank passes on N-1 chunks of M/N")
 
 
+def ring_bytes(kind: str, rank: int, n: int, length: int, itemsize: int) -> dict:
+    """Bytes and messages rank `rank` of `n` moves in a ring reduce-scatter or all-gather (`kind`) of a tensor
+    of `length` elements of `itemsize` bytes, at any length (chunks of tensor_split(n), empty below n).
+
+    Around a ring every chunk crosses every link but one, once: in a reduce-scatter chunk c starts at rank
+    c+1 and ends at rank c, so rank r sends every chunk but its own and receives every chunk but chunk r-1;
+    in an all-gather chunk c starts at rank c, so rank r sends every chunk but chunk r+1 and receives every
+    chunk but its own. When N divides the length both are (N-1)/N × M (`scatter_gather_bytes`).
+    """
+    sizes = [(b - a) * itemsize for a, b in chunk_bounds(length, n)]
+    nbytes = length * itemsize
+    if kind == "reduce_scatter":
+        sent, received = nbytes - sizes[rank], nbytes - sizes[(rank - 1) % n]
+        why = (f"M minus chunk {rank} out, M minus chunk {(rank - 1) % n} in: around the ring every chunk "
+               "passes every rank but the one that keeps it, once, at its own size")
+    else:
+        sent, received = nbytes - sizes[(rank + 1) % n], nbytes - sizes[rank]
+        why = (f"M minus chunk {(rank + 1) % n} out, M minus chunk {rank} in: around the ring every chunk "
+               "reaches every rank once, at its own size")
+    return dict(sent=sent, received=received, why=why, max_messages=n - 1,
+                why_messages="N-1 steps around the ring, one chunk per step")
+
+
+def halving_doubling_total_bytes(n: int, nbytes: int) -> int:
+    """Bytes all `n` ranks together send (and receive) in halving-doubling with the fold rule, at any length.
+
+    Each halving or doubling step, every pair moves exactly the range it shares (however it is split), so
+    the p ranks move (p-1) × M in the halving and again in the doubling; each folded pair moves M each way.
+    """
+    p, _ = power_of_two_below(n)
+    return 2 * (p - 1) * nbytes + 2 * (n - p) * nbytes
+
+
 def halving_doubling_bytes(rank: int, n: int, nbytes: int) -> dict:
     """Bytes and messages rank `rank` of `n` moves in recursive halving-doubling with the lab's fold rule.
 
@@ -243,12 +307,10 @@ def halving_doubling_bytes(rank: int, n: int, nbytes: int) -> dict:
 
 # ------------------------------------------------------------------ lab 1's checks
 
-RING_TRAFFIC = (scatter_gather_bytes, ring_peers,
-                "rank r sends only to rank r+1 and receives only from rank r-1; (N-1)/N × M bytes each way at "
-                "lengths {lengths}")
-HALVING_DOUBLING_TRAFFIC = (halving_doubling_bytes, halving_doubling_peers,
-                            "partners by the fold rule; bytes and messages as in the lab's table at lengths "
-                            "{lengths}")
+RING_CLAIM = ("rank r sends only to rank r+1 and receives only from rank r-1, in at most N-1 messages; bytes "
+              "exact at every length (M minus one chunk each way: (N-1)/N × M at lengths {lengths})")
+HALVING_DOUBLING_CLAIM = ("partners by the fold rule; messages as in the lab's table at every length; bytes per "
+                          "rank as in the table at lengths {lengths}, all ranks' bytes together at every length")
 
 
 def _fold_hint(n):
@@ -262,9 +324,8 @@ def _fold_hint(n):
             "position as a rank number.")
 
 
-def _check_collective(kind, fn, what, world_sizes, lengths, dtypes, timeout, seed, traffic):
-    """Run `fn` on each world size; check every rank's result, then its traffic against `traffic`."""
-    expected_bytes, expected_peers, claim = traffic
+def _check_collective(kind, fn, what, world_sizes, lengths, dtypes, timeout, seed, claim):
+    """Run `fn` on each world size; check every rank's result, then its traffic (traffic_problems)."""
     for n in world_sizes:
         p, _ = power_of_two_below(n)
         hint = _fold_hint(n) if kind == "all_reduce" and n != p else ""
@@ -281,8 +342,7 @@ def _check_collective(kind, fn, what, world_sizes, lengths, dtypes, timeout, see
         per_rank = [rank_problems for rank_problems, _ in results]
         problems = [p for row in itertools.zip_longest(*per_rank) for p in row if p is not None]
         report(what, n, problems, note=hint)
-        report(what, n, _check_traffic(n, cases, [s for _, s in results], expected_bytes, bytes_divisor,
-                                       expected_peers), note=hint)
+        report(what, n, _check_traffic(kind, n, cases, [s for _, s in results]), note=hint)
         lengths_in = list(dict.fromkeys(c[0] for c in cases))
         counted = ", ".join(str(length) for length in lengths_in if length % bytes_divisor == 0) or "none"
         dtypes_text = "/".join(str(d).replace("torch.", "") for d in dtypes)
@@ -294,21 +354,21 @@ def check_reduce_scatter(reduce_scatter, world_sizes=WORLD_SIZES, lengths=None, 
                          timeout=TIMEOUT, seed=0):
     """reduce_scatter(tensor) must return chunk r of the sum on rank r, around a ring, (N-1)/N × M per rank."""
     _check_collective("reduce_scatter", reduce_scatter, "reduce_scatter", world_sizes, lengths, dtypes,
-                      timeout, seed, RING_TRAFFIC)
+                      timeout, seed, RING_CLAIM)
 
 
 def check_all_gather(all_gather, world_sizes=WORLD_SIZES, lengths=None, dtypes=DTYPES, timeout=TIMEOUT,
                      seed=0):
     """all_gather(chunk, length) must return the full tensor on every rank, around a ring, (N-1)/N × M per rank."""
     _check_collective("all_gather", all_gather, "all_gather", world_sizes, lengths, dtypes, timeout, seed,
-                      RING_TRAFFIC)
+                      RING_CLAIM)
 
 
 def check_halving_doubling(all_reduce, world_sizes=HALVING_DOUBLING_WORLD_SIZES, lengths=None, dtypes=DTYPES,
                            timeout=TIMEOUT, seed=0, name="all_reduce_halving_doubling"):
     """all_reduce(tensor) must return the sum on every rank with halving-doubling's partners, bytes, messages."""
     _check_collective("all_reduce", all_reduce, name, world_sizes, lengths, dtypes, timeout, seed,
-                      HALVING_DOUBLING_TRAFFIC)
+                      HALVING_DOUBLING_CLAIM)
 
 
 # ------------------------------------------------------------------ the α-β cost model

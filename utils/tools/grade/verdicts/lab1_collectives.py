@@ -5,14 +5,16 @@
     halving_doubling   all_reduce_halving_doubling(tensor) on N = 2 … 6 (3, 5, 6 fold): the sum on every rank
     cost_comparison    ring_time, halving_doubling_time, crossover_bytes against utils/tools/grade/reference.py
 
-Each world size gets fresh cases: lengths N divides and lengths it does not (one element per chunk, 2N+1, a
-random uneven length, a random multiple of the byte rule's divisor, a random long one), each in float32,
+Each world size gets fresh cases: lengths N divides and lengths it does not (1 and N-1 elements, so some chunks
+are empty; one element per chunk, 2N+1, a random uneven length, a random multiple of the per-rank byte rule's
+divisor, a random long one), each in float32,
 float64 and int64. Values are small integers (multiples of 1/8 for floats, so every sum is exact in any order)
 from os.urandom, so one rank's inputs say nothing about another's; lengths come from the checker's random
 source, seeded from `secrets`. The checker computes the sums and compares every element of every rank's result.
 
-The traffic rules are the lab's own (utils.labchecks.lab1): scatter_gather_bytes and halving_doubling_bytes
-(and the peer rules, where lab1 defines them), compared where the chunking is even. Bytes, messages, peers
+The traffic rules are the lab's own: lab1.traffic_problems judges every case (peers, message caps, the ring's
+bytes per rank at every length, halving-doubling's per rank where the chunking is even and all ranks' together
+at every length), so a submission that pads chunks or cuts messages up fails. Bytes, messages, peers
 and "point-to-point calls only" are measured inside the rank processes, which also run the student's code:
 they are advisory against deliberate tampering (NOTE below says so in every feedback).
 """
@@ -31,12 +33,11 @@ from utils.tools.grade.verdicts import Case, InProcess, OnRanks, function, retur
 
 WORLD_SIZES = (2, 3, 4, 5, 6)
 DTYPES = ("float32", "float64", "int64")
-_PEERS = ", peers" if hasattr(lab1, "ring_peers") and hasattr(lab1, "halving_doubling_peers") else ""
 # The lab's own time limits (the grader's options override them; a notebook's "grading" metadata too). The
 # reference runs in ~10 s per run: a cell gets 60 s (the lab's own deadlock report comes after check_timeout =
 # 30 s), a verdict step (one part at one N) 30 s, each of the two runs 240 s. An endless loop costs about a minute.
 LIMITS = {"timeout": 240, "cell_timeout": 60, "verdict_timeout": 30}
-NOTE = (f"Bytes, messages{_PEERS} and 'point-to-point calls only' are measured inside your own rank processes "
+NOTE = ("Bytes, messages, peers and 'point-to-point calls only' are measured inside your own rank processes "
         "(which also run your code): they catch mistakes, and are advisory against deliberate tampering.")
 
 
@@ -70,9 +71,11 @@ def _values(length, dtype):
 
 
 def _lengths(n, divisor, rng):
-    """One element per chunk, 2N+1, an uneven length, a multiple of the byte rule's divisor, a long one."""
+    """One element per chunk, 2N+1, an uneven length, a multiple of the per-rank byte rule's divisor, a long
+    one, then empty chunks (1 and N-1 elements)."""
     uneven = rng.choice([length for length in range(3 * n, 400) if length % n])
-    return [n, 2 * n + 1, uneven, divisor * rng.randint(8, 40), rng.randint(1000, 3000)]
+    return list(dict.fromkeys([n, 2 * n + 1, uneven, divisor * rng.randint(8, 40), rng.randint(1000, 3000),
+                               1, n - 1]))
 
 
 FUNCTIONS = {"reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
@@ -137,43 +140,30 @@ def _value_problem(kind, rank, n, case, got):
     return lab1.diagnose(kind, got, total, case.expected["inputs"][rank][0], bounds, rank, label)
 
 
-def _traffic_problems(rank, n, case, measured, expected_bytes, divisor, peers):
-    length, dtype = case.expected["length"], case.expected["dtype"]
-    nbytes = length * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    problems = []
-    if peers is not None:
-        sends_to, receives_from, why = peers(rank, n)
-        for key, amount in sorted(measured.items()):
-            direction, _, peer = key.partition(" ")
-            if direction in ("to", "from") and peer.lstrip("-").isdigit() and amount:
-                allowed = sends_to if direction == "to" else receives_from
-                if int(peer) not in allowed:
-                    verb = "sent" if direction == "to" else "received"
-                    problems.append(f"rank {rank}, length {length}: {verb} {amount} bytes {direction} rank {peer}; "
-                                    f"{why}")
-    if length % divisor:
-        return problems
-    want = expected_bytes(rank, n, nbytes)
-    for key in ("sent", "received"):
-        if measured.get(key) != want[key]:
-            problems.append(f"rank {rank}, length {length} (M = {nbytes} bytes): {key} {measured.get(key)} bytes, "
-                            f"expected {want[key]} ({want['why']})")
-    if "max_messages" in want and measured.get("messages_sent", 0) > want["max_messages"]:
-        problems.append(f"rank {rank}, length {length}: sent {measured.get('messages_sent')} messages, at most "
-                        f"{want['max_messages']} expected ({want['why_messages']})")
-    return problems
+def _summary(measured):
+    """A rank's measured traffic (run_collective's dict) in the byte counter's form, for lab1.traffic_problems."""
+    by_peer = {}
+    for key, amount in measured.items():
+        direction, _, peer = key.partition(" ")
+        if direction in ("to", "from") and peer.lstrip("-").isdigit():
+            entry = by_peer.setdefault(int(peer), {"sent": 0, "received": 0})
+            entry["sent" if direction == "to" else "received"] += amount
+    return {"sent": measured.get("sent", 0), "received": measured.get("received", 0),
+            "messages_sent": measured.get("messages_sent", 0), "by_peer": by_peer}
 
 
-def _judge_collective(kind, expected_bytes, divisor, peers):
+def _judge_collective(kind):
     def judge(n, case, results):
         values = [_value_problem(kind, rank, n, case, r.value[0] if r.value else "nothing")
                   for rank, r in enumerate(results)]
         problems = [v for v in values if v]
         if problems:
             return problems
-        for rank, r in enumerate(results):
-            problems += _traffic_problems(rank, n, case, r.measured, expected_bytes, divisor(n), peers)
-        return problems
+        length, dtype = case.expected["length"], case.expected["dtype"]
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        volume, peers = lab1.traffic_problems(_LAB_KINDS[kind], n, length, itemsize,
+                                              [_summary(r.measured) for r in results])
+        return volume + list(peers.values())
     return judge
 
 
@@ -205,30 +195,24 @@ def _power_divisor(n):
     return math.lcm(n, p)
 
 
-def _optional(name):
-    return getattr(lab1, name, None)
-
-
-_RING = dict(expected_bytes=lab1.scatter_gather_bytes, divisor=lambda n: n, peers=_optional("ring_peers"))
-_HALVING_DOUBLING = dict(expected_bytes=lab1.halving_doubling_bytes, divisor=_power_divisor,
-                         peers=_optional("halving_doubling_peers"))
-
-_SUMMARY = ("exact on every rank for N = 2 … 6, on lengths N divides and lengths it does not, in float32, float64 "
-            "and int64, with fresh random inputs")
+_LAB_KINDS = {"reduce_scatter": "reduce_scatter", "all_gather": "all_gather", "halving_doubling": "all_reduce"}
+_RING_SUMMARY = ("; around a ring in at most N-1 messages, M minus one chunk each way per rank at every length "
+                 "(padding or resending fails), (N-1)/N × M where N divides the length")
+_SUMMARY = ("exact on every rank for N = 2 … 6, on lengths N divides and lengths it does not, empty chunks "
+            "included, in float32, float64 and int64, with fresh random inputs")
 
 PARTS = {
-    "reduce_scatter": OnRanks(run_collective, WORLD_SIZES, _collective_cases("reduce_scatter", _RING["divisor"]),
-                              _judge_collective("reduce_scatter", **_RING), "reduce_scatter",
-                              _SUMMARY + "; (N-1)/N × M bytes each way per rank where N divides the length"),
-    "all_gather": OnRanks(run_collective, WORLD_SIZES, _collective_cases("all_gather", _RING["divisor"]),
-                          _judge_collective("all_gather", **_RING), "all_gather",
-                          _SUMMARY + "; (N-1)/N × M bytes each way per rank where N divides the length"),
+    "reduce_scatter": OnRanks(run_collective, WORLD_SIZES, _collective_cases("reduce_scatter", lambda n: n),
+                              _judge_collective("reduce_scatter"), "reduce_scatter", _SUMMARY + _RING_SUMMARY),
+    "all_gather": OnRanks(run_collective, WORLD_SIZES, _collective_cases("all_gather", lambda n: n),
+                          _judge_collective("all_gather"), "all_gather", _SUMMARY + _RING_SUMMARY),
     "halving_doubling": OnRanks(run_collective, WORLD_SIZES,
-                                _collective_cases("halving_doubling", _HALVING_DOUBLING["divisor"]),
-                                _judge_collective("halving_doubling", **_HALVING_DOUBLING),
+                                _collective_cases("halving_doubling", _power_divisor),
+                                _judge_collective("halving_doubling"),
                                 "all_reduce_halving_doubling",
-                                _SUMMARY + "; halving-doubling's bytes and messages (fold rule) where N and p "
-                                "divide the length"),
+                                _SUMMARY + "; halving-doubling's partners and messages (fold rule) at every "
+                                "length, its bytes per rank where N and p divide the length and all ranks' bytes "
+                                "together at every length"),
     "cost_comparison": InProcess(run_cost_model, _cost_cases, _judge_cost, "the cost model",
                                  "ring_time, halving_doubling_time and crossover_bytes match the α-β model on the "
                                  "notebook's cases and on random ones (N up to 4096)"),
