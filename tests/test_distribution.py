@@ -146,7 +146,7 @@ def test_git_add_all_leaves_out_the_environment_and_build_outputs(dist, tmp_path
                            check=True).stdout
     assert "course.py" in added and "lessons/00_launching.ipynb" in added
     assert not [line for line in added.splitlines() if any(j in line for j in (".venv", "egg-info", "__pycache__",
-                                                                              "checkpoints", "build/"))], added
+                                                                              ".ipynb_checkpoints", "build/"))], added
 
 
 def load_course_py(dist):
