@@ -250,3 +250,30 @@ def test_padding_and_extra_messages_score_zero_on_every_grading():
             parts["halving_doubling"]["message"]
         assert parts["cost_comparison"]["passed"], parts["cost_comparison"]
     assert verdict_processes() == []
+
+
+# ------------------------------------------------------------------ lab 1's cost cases: firm and fair
+
+def test_cost_cases_are_the_same_at_every_grading_and_judge_the_subtractions_the_same_way():
+    """Part 4's random cases are drawn from a generator seeded by the submission, so a regrade meets the same
+    ones; over many submissions' cases, the subtraction with a tolerance on the slopes (right up to round-off)
+    always passes and the one that tests the slopes against 0 always fails (on the fixed N = 16 case)."""
+    import random
+
+    from utils.tools.grade import reference
+    from utils.tools.grade.verdicts import Result
+    from utils.tools.grade.verdicts import lab1_collectives as verdicts
+
+    def draw(seed):
+        return [(case.params["calls"], [want for _, _, want in case.expected])
+                for case in verdicts._cost_cases(random.Random(seed))]
+
+    assert draw(b"one submission") == draw(b"one submission") != draw(b"another submission")
+    ring, hd = reference.lab1_ring_time, reference.lab1_halving_doubling_time
+    for seed in range(300):
+        crossover = [c for c in verdicts._cost_cases(random.Random(seed)) if c.params["function"] == "crossover_bytes"][0]
+        for tolerant, passes in ((True, True), (False, False)):
+            answers = [test_lab1_checks.crossover_by_subtraction(*args, ring, hd, tolerant=tolerant)
+                       for args in crossover.params["calls"]]
+            problems = verdicts._judge_cost(crossover, Result(value=answers))
+            assert (problems == []) is passes, (seed, tolerant, problems)

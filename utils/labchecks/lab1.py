@@ -380,7 +380,8 @@ def check_halving_doubling(all_reduce, world_sizes=HALVING_DOUBLING_WORLD_SIZES,
 # `expected`).
 COST_WORLD_SIZES = (2, 3, 4, 5, 6, 7, 8, 12, 1000, 1024)
 COST_CASES = [(n, nbytes, 5e-6, 1 / 100e9) for n in COST_WORLD_SIZES
-              for nbytes in (1e3, 1e6, 25 * 2**20, 1e9)] + [(4, 64 * 2**20, 50e-6, 1 / 2e9)]
+              for nbytes in (1e3, 1e6, 25 * 2**20, 1e9)] + [(4, 64 * 2**20, 50e-6, 1 / 2e9)] + \
+    [(16, 4e3, 2e-6, 1 / 25e9)]   # a power of two where the slopes' round-off comes out negative
 
 # A crossover at or beyond this many bytes (1 PB, far beyond any message) means "never slower": math.inf is
 # the exact answer there, and a formula that subtracts two equal bandwidth terms may leave a huge finite one.
@@ -429,6 +430,7 @@ EXPECTED_TIMES = {  # (n, nbytes, alpha, beta): (ring_time, halving_doubling_tim
     (1024, 26214400, 5e-06, 1e-11): (0.010753776, 0.000623776),
     (1024, 1000000000.0, 5e-06, 1e-11): (0.030210468750000004, 0.020080468749999997),
     (4, 67108864, 5e-05, 5e-10): (0.050631648, 0.050531648000000005),
+    (16, 4000.0, 2e-06, 4e-11): (6.0299999999999995e-05, 1.63e-05),
 }
 EXPECTED_CROSSOVER = {  # (n, alpha, beta): crossover_bytes
     (2, 5e-06, 1e-11): math.inf,
@@ -442,6 +444,7 @@ EXPECTED_CROSSOVER = {  # (n, alpha, beta): crossover_bytes
     (1000, 5e-06, 1e-11): 494971769.96825105,
     (1024, 5e-06, 1e-11): math.inf,
     (4, 5e-05, 5e-10): math.inf,
+    (16, 2e-06, 4e-11): math.inf,
 }
 # END GENERATED TABLES
 
@@ -477,14 +480,15 @@ def accept_crossover(got, want) -> bool:
 
     Where halving-doubling is never slower (`want` is math.inf, or at least NEVER_SLOWER_BYTES): math.inf
     or any number ≥ NEVER_SLOWER_BYTES. Elsewhere: within 1 byte of `want` (whole bytes, rounded any way,
-    pass) or 1e-6 relative, whichever is larger (a crossover solved from differences of the two times loses
-    digits to cancellation: 1.5e-8 relative at N = 1000).
+    pass) or 1e-4 relative, whichever is larger (a crossover solved from differences of the two cost functions
+    loses digits to cancellation: 1.5e-8 relative at N = 1000 on the lab's link, up to about 1e-5 at N in the
+    thousands on others; a wrong formula is off by far more).
     """
     if not _number(got):
         return False
     if want >= NEVER_SLOWER_BYTES:
         return got >= NEVER_SLOWER_BYTES
-    return abs(got - want) <= max(1.0, 1e-6 * want)
+    return abs(got - want) <= max(1.0, 1e-4 * want)
 
 
 def _answer(name, fn, **arguments):
@@ -536,7 +540,7 @@ def check_cost_model(ring_time, halving_doubling_time, crossover_bytes, cases=No
             expected = (f"0.0: at N={n} halving-doubling saves no latency to pay for its larger bandwidth "
                         "term, so it is slower for every message size > 0")
         else:
-            expected = (f"{want:.10g} bytes, within 1 byte or 1e-6 relative (the largest M for which "
+            expected = (f"{want:.10g} bytes, within 1 byte or 1e-4 relative (the largest M for which "
                         "halving-doubling is at least as fast as the ring)")
         raise LabCheckFailure(f"✗ {call} = {got!r}, expected {expected}")
     distinct = list(dict.fromkeys(n for n, _, _ in crossover_cases))
@@ -544,4 +548,4 @@ def check_cost_model(ring_time, halving_doubling_time, crossover_bytes, cases=No
     twice = "; some N on two different links" if len(distinct) < len(crossover_cases) else ""
     check(True, f"crossover_bytes matches the α-β model on {len(crossover_cases)} (N, α, β) cases "
                 f"(N = {sizes}{twice}): "
-                "within 1 byte or 1e-6 relative, or ≥ 1e15 where the answer is math.inf")
+                "within 1 byte or 1e-4 relative, or ≥ 1e15 where the answer is math.inf")

@@ -9,7 +9,8 @@ verdicts.json: {"parts": {grade_id: {"passed": bool, "message": str}}, "cell_err
 This process never executes, imports or unpickles anything a submission wrote. It starts the verdict
 processes (utils/tools/grade/rank.py: one process that forks a pool of ranks, as many as the lab's largest
 world size, in a session of their own, TMPDIR private, what each rank prints read and dropped), hosts the gloo
-rendezvous store they connect to, draws every case's inputs from `secrets`, sends each rank only its own
+rendezvous store they connect to, draws every case's values from os.urandom and its shapes from a generator
+seeded by the submission's cells (so a regrade of one submission meets the same cases), sends each rank only its own
 inputs, reads raw tensors and JSON numbers back (utils/tools/grade/wire.py), computes the expected values and
 asks the part's judge. A part scores when every case at every world size is judged right. A hang (no reply
 within task_timeout) or a crash fails the part it happened in; the pool is then killed and a fresh one started
@@ -17,11 +18,11 @@ for the next part. Every process it started is killed on every path.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
 import random
-import secrets
 import subprocess
 import sys
 import threading
@@ -333,7 +334,9 @@ def check(job: dict) -> dict:
             log(f"started {size} verdict process(es) in {time.monotonic() - started:.1f} s")
         return state["pool"]
 
-    rng = random.Random(secrets.randbits(128))
+    # Shapes and lengths depend on the submission only: the same submission meets the same cases at every grading
+    # (firm points), another submission other ones. Values stay unpredictable (os.urandom in the verdicts).
+    rng = random.Random(hashlib.sha256(json.dumps(job["cells"]).encode()).digest())
     counter = iter(range(1, 1 << 30))
     parts = {}
     try:

@@ -9,7 +9,7 @@ Points come only from these verdicts. Each lab has a verdict module, `verdicts/<
 
 The checker (utils/tools/grade/checker.py) runs no student code itself. It starts processes that run the
 lab's definition cells (imports, helper functions) and the submission's solution cells, draws each case's
-inputs unpredictably (os.urandom, secrets), hands each process only its own inputs, gets raw tensors and JSON numbers
+inputs unpredictably (os.urandom; shapes from a generator seeded by the submission), hands each process only its own inputs, gets raw tensors and JSON numbers
 back, computes the expected values itself and calls the part's `judge`. Draw inputs with
 `unpredictable_integers` (os.urandom); lengths and other shapes may come from the `rng` each `cases` gets.
 
@@ -119,7 +119,8 @@ def unpredictable_integers(count: int, low: int, high: int):
     """A 1-D int64 tensor of `count` integers in [low, high] drawn from the operating system's cryptographic
     source (`os.urandom`), so no process can predict them, nor derive one rank's inputs from another's (a
     seeded generator's outputs would reveal its state). For inputs; lengths and other shapes may come from
-    the `rng` the checker passes (a random.Random seeded from `secrets`), since feedback names them anyway."""
+    the `rng` the checker passes (a random.Random seeded from the submission's cells: a regrade meets the same
+    cases), since feedback names them anyway."""
     import torch
 
     if count == 0:

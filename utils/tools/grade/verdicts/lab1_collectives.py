@@ -10,7 +10,7 @@ are empty; one element per chunk, 2N+1, a random uneven length, a random multipl
 divisor, a random long one), each in float32,
 float64 and int64. Values are small integers (multiples of 1/8 for floats, so every sum is exact in any order)
 from os.urandom, so one rank's inputs say nothing about another's; lengths come from the checker's random
-source, seeded from `secrets`. The checker computes the sums and compares every element of every rank's result.
+source, seeded from the submission (the same cases at every grading of it). The checker computes the sums and compares every element of every rank's result.
 
 The traffic rules are the lab's own: lab1.traffic_problems judges every case (peers, message caps, the ring's
 bytes per rank at every length, halving-doubling's per rank where the chunking is even and all ranks' together
@@ -102,15 +102,16 @@ def _collective_cases(kind, divisor):
 
 
 def _cost_cases(rng):
-    """The notebook's visible cases plus random ones: world sizes from 2 to 4096, sizes from 100 B to 10 GB."""
+    """The notebook's visible cases (lab1.COST_CASES) plus random ones: world sizes from 2 to 4096, sizes from
+    100 B to 10 GB, α and β over several orders of magnitude. `rng` is seeded from the submission (checker.py),
+    so a regrade draws the same cases."""
     sizes = [2, 3, 4, 5, 6, 7, 8, 12, 1000, 1024] + [rng.randint(9, 4096) for _ in range(4)] + \
             [2 ** rng.randint(4, 12)]
-    visible = [(n, m, 5e-6, 1 / 100e9) for n in (2, 3, 4, 5, 6, 7, 8, 12, 1000, 1024)
-               for m in (1e3, 1e6, 25 * 2 ** 20, 1e9)]
+    visible = list(lab1.COST_CASES)
     hidden = [(n, 10 ** rng.uniform(2, 10), 10 ** rng.uniform(-7, -4), 1 / 10 ** rng.uniform(8, 11.5))
               for n in sizes for _ in range(2)]
     times = [(args, False) for args in visible] + [(args, True) for args in hidden]
-    crossings = [((n, 5e-6, 1 / 100e9), False) for n in sizes[:10]] + \
+    crossings = [(args, False) for args in dict.fromkeys((n, a, b) for n, _, a, b in visible)] + \
                 [((n, 10 ** rng.uniform(-7, -4), 1 / 10 ** rng.uniform(8, 11.5)), True) for n in sizes]
     out = []
     for name, formula, calls in [("ring_time", reference.lab1_ring_time, times),
@@ -168,7 +169,7 @@ def _judge_collective(kind):
 
 
 def _call(name, args, hidden):
-    """How a call reads in feedback: a random case's inputs only to two digits (they are drawn afresh anyway)."""
+    """How a call reads in feedback: a random case's inputs only to two digits (enough to say which case)."""
     names = ("n", "nbytes", "alpha", "beta") if len(args) == 4 else ("n", "alpha", "beta")
     shown = ", ".join(f"{k}={v}" if k == "n" else f"{k}≈{v:.2g}" if hidden else f"{k}={fmt(v)}"
                       for k, v in zip(names, args))
