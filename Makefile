@@ -31,9 +31,13 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(PY) -m utils.tools.run lessons --out build
 
+# Two workers (pytest-xdist), each taking a whole file at a time (a notebook's cells share one kernel): much of the
+# suite waits (on sleeps, time limits, process start-up) rather than computes, so two overlap well on 2 cores.
+TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest tests lessons labs --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300 -q
+		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300 -q \
+		-n $(TEST_WORKERS) --dist loadfile
 
 # JupyterLab at lesson 00 with the course's kernel: JUPYTER_PATH puts this environment's kernelspecs
 # (python3 = this .venv's Python, the kernel every notebook names) before any the user installed.

@@ -234,8 +234,8 @@ def all_reduce_halving_doubling(tensor):
 
 
 def test_padding_and_extra_messages_score_zero_on_every_grading():
-    """Right sums, wrong traffic: each affected part fails on every grading (fresh cases each time, among them
-    always a length N does not divide); the untouched part passes every time."""
+    """Right sums, wrong traffic: each affected part fails on every grading (the same cases each time, seeded by
+    the submission, fresh values; among them always a length N does not divide); the untouched part passes every time."""
     job = {"verdicts": str(module_path("lab1_collectives")), "task_timeout": 60,
            "parts": ["reduce_scatter", "all_gather", "halving_doubling", "cost_comparison"],
            "cells": lab_cells(reduce_scatter_code=renamed(test_lab1_checks.rs_padded, "reduce_scatter"),

@@ -1,7 +1,8 @@
 """Lab 2's verdicts (utils/tools/grade/verdicts/lab2_ddp.py) through the checker.
 
-Fair and firm, shown by grading each submission three times (fresh random cases every time) and getting the same
-points: the lab's reference earns every part, and so does a correct wrapper of another structure
+Fair and firm, shown by grading each submission three times and getting the same points (the cases' shapes are
+seeded by the submission, so every grading meets the same ones; the values are fresh each time): every part the
+first time, then the part judged on timing, overlap, twice more (the other parts' verdicts do not depend on timing): the lab's reference earns every part, and so does a correct wrapper of another structure
 (tests/fixtures/lab2_submissions.py: buckets planned in reverse definition order, ReduceOp.AVG, futures); the
 reference with a `work.wait()` right after its asynchronous all-reduce in the hook, and the reference averaging
 each bucket with a blocking send/recv ring in the hook, lose the overlap part only. A wrapper that sums the
@@ -45,9 +46,9 @@ def lab_cells(replace=None, source=None, prepend=""):
         return grade.prepare(nb, lab).cells, dict(lab.parts)
 
 
-def judge(prepared):
+def judge(prepared, parts=PARTS):
     cells, _ = prepared
-    job = {"verdicts": str(module_path("lab2_ddp")), "task_timeout": 60, "parts": PARTS, "cells": cells}
+    job = {"verdicts": str(module_path("lab2_ddp")), "task_timeout": 60, "parts": parts, "cells": cells}
     return checker.check(job)["parts"]
 
 
@@ -72,16 +73,17 @@ def test_the_same_submission_gets_the_same_points_on_every_grading(name):
     prepared = lab_cells(**SUBMITTED[name])
     points = dict(prepared[1])
     scores = []
-    for _ in range(GRADINGS):
-        parts = judge(prepared)
-        scores.append({p: points[p] if parts[p]["passed"] else 0 for p in PARTS})
-        print(f"{name}: {scores[-1]} = {sum(scores[-1].values())} of {sum(points.values())}")
+    for grading in range(GRADINGS):
+        graded = PARTS if grading == 0 else ["overlap"]
+        parts = judge(prepared, graded)
+        scores.append({p: points[p] if parts[p]["passed"] else 0 for p in graded})
+        print(f"{name}: {scores[-1]} = {sum(scores[-1].values())} of {sum(points[p] for p in graded)}")
         for part in LOSES[name]:
             message = parts[part]["message"]
             assert "were still in flight when a later gradient became ready" in message, message
             assert ("waited for before the next gradient was ready" if "waits" in name else "blocking") in message
     want = {p: 0 if p in LOSES[name] else points[p] for p in PARTS}
-    assert scores == [want] * GRADINGS, scores
+    assert scores == [want] + [{"overlap": want["overlap"]}] * (GRADINGS - 1), scores
 
 
 @pytest.mark.parametrize("replace, passing, says", [
