@@ -175,6 +175,7 @@ def test_live_stderr_is_held_and_a_failing_ranks_goes_into_its_report(monkeypatc
     (["/venv/bin/python", "-mutils.tools.run", "lessons"], "utils.tools.run"),
     (["/venv/bin/pytest", "--nbval", "lessons"], "pytest"),
     (["python", "-c", "import papermill"], "python"),
+    (["/venv/bin/python", "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"], "execnet"),  # an xdist worker
 ])
 def test_executor_is_the_program_not_a_word_in_its_paths(argv, name):
     assert utils.launching.executor_name(argv + [""]) == name

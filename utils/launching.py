@@ -260,7 +260,7 @@ def _output_is_live() -> bool:
 # Programs and modules that execute notebooks with nobody watching (a kernel's parent process); the course's
 # own tools (utils.tools.*) too.
 _BATCH_EXECUTORS = {"papermill", "pytest", "py.test", "nbval", "nbclient", "nbconvert", "jupyter-nbconvert",
-                    "jupyter-execute"}
+                    "jupyter-execute", "execnet"}
 
 
 def executor_name(argv: list) -> str:
@@ -282,6 +282,8 @@ def executor_name(argv: list) -> str:
             return next(args, "")
         if arg.startswith("-m"):
             return arg[2:]
+        if arg == "-c" and "sys.stdin.readline()" in next(args, ""):
+            return "execnet"  # execnet's bootstrap: a pytest-xdist worker (make test runs two)
         if arg in ("-c", "-"):
             return name
         if arg in ("-W", "-X", "-Q"):
