@@ -2,14 +2,22 @@
 
 Lesson 08 runs it under torchrun, which restarts every worker when one dies:
 
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 GLOO_SOCKET_IFNAME=lo \
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 lessons/scripts/train_ckpt.py \
         --folder RUN --steps 12 --every 4 --die-at 7
 
-With --die-at S, rank 1 kills itself with SIGKILL after S steps, the first time only (a marker
-file in --folder remembers it died). Each rank checkpoints its own state (model, AdamW, step, its dropout
-RNG) into RUN/step<S>-rank<R>.pt; RUN/latest names the last step that every rank finished writing.
-Events (start, resume, death, end; wall-clock times) go to RUN/events.log, one line each, for the lesson
-to measure redone steps and restart cost. Rank 0 ends by printing the sha256 of the final parameters.
+(The first variable gives each attempt a fresh store: in the store torchrun shares with its workers, restarted
+workers can read the dead ones' addresses and fail or hang forming their group, pytorch/pytorch#135712. The second
+keeps gloo on the loopback interface.)
+
+With --die-at S, rank 1 kills itself with SIGKILL after S steps, the first time only (a marker file in --folder
+remembers it died). The other rank's next all-reduce fails (gloo sees the closed connection); it logs that and
+waits to be stopped, so the launcher always sees rank 1's death first and stops the others itself, as it stops
+ranks stuck in a collective that never notices. Each rank checkpoints its own state (model, AdamW, step, its
+dropout RNG) into RUN/step<S>-rank<R>.pt; RUN/latest names the last step that every rank finished writing.
+Events (process launched, group formed, resume, death, lost peer, stopped, end; wall-clock times) go to
+RUN/events.log, one line each, for the lesson to measure redone steps and restart cost. Rank 0 ends by printing
+the sha256 of the final parameters.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+LAUNCHED = time.time()                                       # before `import torch`: part of a restart's cost
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +39,7 @@ try:
     import utils  # noqa: F401  (only to find the course's package)
 except ImportError:  # running from a checkout that was not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from utils import compat
 from utils.data import MarkovSource
 from utils.model import GPT, GPTConfig
 
@@ -72,6 +83,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    with open(args.folder / "events.log", "a") as f:
+        f.write(f"{LAUNCHED:.6f} rank{rank} launched attempt={attempt} pid={os.getpid()}\n")
     log(args.folder, f"start attempt={attempt}")
 
     source = MarkovSource(seed=args.seed)
@@ -103,7 +116,13 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])   # one fixed layout: same sums every step
-        dist.all_reduce(flat)
+        try:
+            dist.all_reduce(flat)
+        except RuntimeError:                                 # a peer is gone: leave the ending to the launcher
+            log(args.folder, f"lost-peer step={step}")
+            signal.signal(signal.SIGTERM, lambda *_: (log(args.folder, "stopped by=SIGTERM"), os._exit(143)))
+            time.sleep(120)
+            raise
         flat /= world
         offset = 0
         for p in params:
@@ -116,7 +135,9 @@ def main() -> None:
     log(args.folder, f"finished step={step}")
     if rank == 0:
         print(f"final parameters sha256 {parameter_digest(model)}", flush=True)
-    dist.destroy_process_group()
+    compat.end_group_before_exit()
+    sys.stdout.flush()
+    os._exit(0)                                              # no destructors: a gloo group's can hang (utils.compat)
 
 
 if __name__ == "__main__":
