@@ -15,7 +15,7 @@ remembers it died). The other rank's next all-reduce fails (gloo sees the closed
 waits to be stopped, so the launcher always sees rank 1's death first and stops the others itself, as it stops
 ranks stuck in a collective that never notices. Each rank checkpoints its own state (model, AdamW, step, its
 dropout RNG) into RUN/step<S>-rank<R>.pt; RUN/latest names the last step that every rank finished writing.
-Events (process launched, group formed, resume, death, lost peer, stopped, end; wall-clock times) go to
+Events (process launched, imports done, group formed, resume, death, lost peer, stopped, end; wall-clock times) go to
 RUN/events.log, one line each, for the lesson to measure redone steps and restart cost. Rank 0 ends by printing
 the sha256 of the final parameters.
 """
@@ -42,6 +42,8 @@ except ImportError:  # running from a checkout that was not pip-installed
 from utils import compat
 from utils.data import MarkovSource
 from utils.model import GPT, GPTConfig
+
+IMPORTED = time.time()                                       # torch and the course's modules loaded
 
 
 def log(folder: Path, text: str) -> None:
@@ -85,6 +87,7 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     with open(args.folder / "events.log", "a") as f:
         f.write(f"{LAUNCHED:.6f} rank{rank} launched attempt={attempt} pid={os.getpid()}\n")
+        f.write(f"{IMPORTED:.6f} rank{rank} imported attempt={attempt}\n")
     log(args.folder, f"start attempt={attempt}")
 
     source = MarkovSource(seed=args.seed)
