@@ -23,12 +23,14 @@ def start(folder, *extra):
     folder.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", str(SCRIPT), "--folder", str(folder), "--steps", "12", "--every", "4", *extra]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:   # files: a hung worker
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err)    # keeps no pipe open
 
 
 def events(folder):
+    path = folder / "events.log"
     rows = []
-    for line in (folder / "events.log").read_text().splitlines():
+    for line in (path.read_text().splitlines() if path.exists() else []):
         t, rank, event, *fields = line.split(" ")
         rows.append((float(t), int(rank[4:]), event, dict(f.split("=") for f in fields)))
     return sorted(rows)
@@ -39,10 +41,12 @@ def test_killed_rank_restarts_and_ends_bitwise_like_an_uninterrupted_run(tmp_pat
     done = {}
     for name, process in runs.items():
         try:
-            done[name] = (*process.communicate(timeout=240), process.returncode)
+            code = process.wait(timeout=240)
         except subprocess.TimeoutExpired:
             process.kill()
-            done[name] = (*process.communicate(), "timeout")
+            process.wait()
+            code = "timeout"
+        done[name] = ((tmp_path / name / "out.txt").read_text(), (tmp_path / name / "err.txt").read_text(), code)
     pids = [int(f["pid"]) for name in runs for _, _, e, f in events(tmp_path / name) if e == "launched"]
     left = wait_gone(pids, 5.0)
     for pid in left:
