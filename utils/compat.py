@@ -38,7 +38,13 @@ def _has_async_save() -> bool:
     return hasattr(dcp, "async_save")
 
 
-HAS_ASYNC_SAVE = _has_async_save()  # torch.distributed.checkpoint.async_save: saves in the background
+def __getattr__(name):
+    """`HAS_ASYNC_SAVE`, computed when first asked for: importing torch.distributed.checkpoint costs about a
+    second, which every process that imports utils (a torchrun worker too) would otherwise pay."""
+    if name == "HAS_ASYNC_SAVE":  # torch.distributed.checkpoint.async_save: saves in the background
+        globals()[name] = value = _has_async_save()
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def all_gather_single(output, input, group=None, async_op=False):

@@ -2,14 +2,22 @@
 
 Lesson 08 runs it under torchrun, which restarts every worker when one dies:
 
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 GLOO_SOCKET_IFNAME=lo \
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 lessons/scripts/train_ckpt.py \
         --folder RUN --steps 12 --every 4 --die-at 7
 
-With --die-at S, rank 1 kills itself with SIGKILL after S steps, the first time only (a marker
-file in --folder remembers it died). Each rank checkpoints its own state (model, AdamW, step, its dropout
-RNG) into RUN/step<S>-rank<R>.pt; RUN/latest names the last step that every rank finished writing.
-Events (start, resume, death, end; wall-clock times) go to RUN/events.log, one line each, for the lesson
-to measure redone steps and restart cost. Rank 0 ends by printing the sha256 of the final parameters.
+(The first variable gives each attempt a fresh store: in the store torchrun shares with its workers, restarted
+workers can read the dead ones' addresses and fail or hang forming their group, pytorch/pytorch#135712. The second
+keeps gloo on the loopback interface.)
+
+With --die-at S, rank 1 kills itself with SIGKILL after S steps, the first time only (a marker file in --folder
+remembers it died). The other rank's next all-reduce fails (gloo sees the closed connection); it logs that and
+waits to be stopped, so the launcher always sees rank 1's death first and stops the others itself, as it stops
+ranks stuck in a collective that never notices. Each rank checkpoints its own state (model, AdamW, step, its
+dropout RNG) into RUN/step<S>-rank<R>.pt; RUN/latest names the last step that every rank finished writing.
+Events (process launched, imports done, group formed, resume, death, lost peer, stopped, end; wall-clock times) go to
+RUN/events.log, one line each, for the lesson to measure redone steps and restart cost. Rank 0 ends by printing
+the sha256 of the final parameters.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+LAUNCHED = time.time()                                       # before `import torch`: part of a restart's cost
+
 import torch
 import torch.distributed as dist
 
@@ -29,8 +39,11 @@ try:
     import utils  # noqa: F401  (only to find the course's package)
 except ImportError:  # running from a checkout that was not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from utils import compat
 from utils.data import MarkovSource
 from utils.model import GPT, GPTConfig
+
+IMPORTED = time.time()                                       # torch and the course's modules loaded
 
 
 def log(folder: Path, text: str) -> None:
@@ -68,42 +81,63 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    with open(args.folder / "events.log", "a") as f:               # before the group: a hang there leaves a pid
+        f.write(f"{LAUNCHED:.6f} rank{os.environ['RANK']} launched attempt={attempt} pid={os.getpid()}\n")
+        f.write(f"{IMPORTED:.6f} rank{os.environ['RANK']} imported attempt={attempt}\n")
     dist.init_process_group("gloo")
+    log(args.folder, f"start attempt={attempt}")
+    digest = train(args.folder, args.steps, args.every, args.die_at, args.seed)
+    if dist.get_rank() == 0:
+        print(f"final parameters sha256 {digest}", flush=True)
+    compat.end_group_before_exit()
+    sys.stdout.flush()
+    os._exit(0)                                              # no destructors: a gloo group's can hang (utils.compat)
+
+
+def train(folder: Path, steps: int, every: int, die_at: int | None = None, seed: int = 0) -> str:
+    """Train to `steps` on this process group, resuming from `folder`'s latest checkpoint; the parameters' digest.
+
+    The lesson also calls it through utils.launch for the uninterrupted reference run."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    log(args.folder, f"start attempt={attempt}")
 
-    source = MarkovSource(seed=args.seed)
+    source = MarkovSource(seed=seed)
     config = GPTConfig(vocab_size=source.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     model = GPT(config)
-    torch.manual_seed(args.seed + 1 + rank)                  # each rank's own dropout stream
+    torch.manual_seed(seed + 1 + rank)                       # each rank's own dropout stream
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     step = 0
-    latest = args.folder / "latest"
+    latest = folder / "latest"
     if latest.exists():
         step = int(latest.read_text())
-        state = torch.load(args.folder / f"step{step}-rank{rank}.pt")
+        state = torch.load(folder / f"step{step}-rank{rank}.pt")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
-        log(args.folder, f"resumed step={step}")
+        log(folder, f"resumed step={step}")
 
     params = list(model.parameters())
     model.train()
-    while step < args.steps:
-        marker = args.folder / "died"
-        if rank == 1 and step == args.die_at and not marker.exists():
+    while step < steps:
+        marker = folder / "died"
+        if rank == 1 and step == die_at and not marker.exists():
             marker.write_text("")
-            log(args.folder, f"killed step={step}")
+            log(folder, f"killed step={step}")
             os.kill(os.getpid(), signal.SIGKILL)             # a real death: no exception, no cleanup
         inputs, targets = source.batch(step, 2, 16, rank, world)
         loss = model(inputs, targets)
         optimizer.zero_grad()
         loss.backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])   # one fixed layout: same sums every step
-        dist.all_reduce(flat)
+        try:
+            dist.all_reduce(flat)
+        except RuntimeError:                                 # a peer is gone: leave the ending to the launcher
+            log(folder, f"lost-peer step={step}")
+            signal.signal(signal.SIGTERM, lambda *_: (log(folder, "stopped by=SIGTERM"), os._exit(143)))
+            time.sleep(120)
+            raise
         flat /= world
         offset = 0
         for p in params:
@@ -111,12 +145,10 @@ def main() -> None:
             offset += p.numel()
         optimizer.step()
         step += 1
-        if step % args.every == 0:
-            save(args.folder, step, model, optimizer)
-    log(args.folder, f"finished step={step}")
-    if rank == 0:
-        print(f"final parameters sha256 {parameter_digest(model)}", flush=True)
-    dist.destroy_process_group()
+        if step % every == 0:
+            save(folder, step, model, optimizer)
+    log(folder, f"finished step={step}")
+    return parameter_digest(model)
 
 
 if __name__ == "__main__":
