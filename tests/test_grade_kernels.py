@@ -95,7 +95,8 @@ def test_make_run_keeps_the_console_to_its_summary_lines():
         for name in ("a_noisy", "b_failing"):
             log = (build / "lessons" / f"{name}.kernel.log").read_text()
             assert "stand-in log line" in log and "stand-in C++ log line" in log and "printed by" not in log
-        assert not (build / "lessons" / "tiny.kernel.log").exists(), "an empty log is not kept"
+        tiny_log = build / "lessons" / "tiny.kernel.log"   # empty unless the kernel itself complained (load)
+        assert not tiny_log.exists() or tiny_log.read_text().strip(), "an empty log is not kept"
         executed = nbformat.read(str(build / "lessons" / "a_noisy.ipynb"), as_version=4)
         assert executed.cells[0].outputs[0]["text"] == "printed by the cell\n"
 

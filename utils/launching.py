@@ -283,7 +283,7 @@ def executor_name(argv: list) -> str:
         if arg.startswith("-m"):
             return arg[2:]
         if arg == "-c" and "sys.stdin.readline()" in next(args, ""):
-            return "execnet"  # execnet's bootstrap: a pytest-xdist worker (make test runs two)
+            return "execnet"  # execnet's bootstrap: a pytest-xdist worker
         if arg in ("-c", "-"):
             return name
         if arg in ("-W", "-X", "-Q"):
