@@ -31,9 +31,10 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(PY) -m utils.tools.run lessons --out build
 
-# Two workers (pytest-xdist), each taking a whole file at a time (a notebook's cells share one kernel): much of the
-# suite waits (on sleeps, time limits, process start-up) rather than computes, so two overlap well on 2 cores.
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist), each taking a whole file at a time (a notebook's cells share one kernel), the longest
+# files first (tests/conftest.py): much of the suite waits (on sleeps, time limits, process start-up) rather than
+# computes; with one process it kept 2 cores about half busy.
+TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest tests lessons labs --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300 -q \

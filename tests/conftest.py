@@ -32,7 +32,7 @@ def browser():
 
 
 # The files that take longest (minutes each: they grade whole labs, drive a browser or run a lesson), first: make test's
-# two workers take a file at a time in collection order, and a long file taken last keeps one worker busy alone.
+# workers take a file at a time in collection order, and a long file taken last keeps one worker busy alone.
 LONGEST_FIRST = ["tests/test_grade_labs.py", "tests/test_release_grade.py", "tests/test_grade_verdicts_lab2.py",
                  "tests/test_grade_verdicts_lab3.py", "tests/test_browser.py", "tests/test_grade_gradebook.py",
                  "tests/test_book.py", "lessons/04_bucketing_and_overlap.ipynb", "lessons/02_four_replicas.ipynb",
