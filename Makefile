@@ -18,7 +18,7 @@ COMPAT_ENV = $(COMPAT_ROOT)/$(shell printf '%s' '$(TORCH_SPEC)' | tr -cs 'A-Za-z
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-portable lab book release distribution grade regrade benchmarks compat compat-ends clean
+.PHONY: install run test test-portable gpu-check lab book release distribution grade regrade benchmarks compat compat-ends clean
 
 install: $(STAMP)
 
@@ -47,6 +47,13 @@ test: install
 PORTABLE_PATHS ?= scalar avx2
 test-portable: install
 	$(PY) -m utils.tools.portable $(PORTABLE_PATHS) -- -n $(TEST_WORKERS) --dist loadfile
+
+# On a machine with CUDA: every lesson and lab headless in each configuration a student meets (one GPU as on Colab;
+# one rank on NCCL; one GPU per rank where there are enough), as utils/tools/gpu_configs.json lists them; a line per
+# notebook and configuration, and the GPU figures they printed, in build/gpu-check/report.txt. Without CUDA: one
+# line, exit 1. A CUDA torch: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126" gpu-check
+gpu-check: install
+	$(PY) -m utils.tools.gpu_check $(GPU_CHECK_ARGS)
 
 # JupyterLab at lesson 00 with the course's kernel: JUPYTER_PATH puts this environment's kernelspecs
 # (python3 = this .venv's Python, the kernel every notebook names) before any the user installed.
