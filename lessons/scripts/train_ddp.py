@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,16 +48,33 @@ def parameter_checksum(model: torch.nn.Module) -> tuple[float, str]:
     return total, digest.hexdigest()[:16]
 
 
+def timed_allreduce_hook(seconds: list, bucket):  # no return annotation: DDP checks it, and this module postpones annotations
+    """DDP comm hook: average one gradient bucket with a blocking all-reduce, adding its duration to seconds[-1].
+
+    The duration includes any wait for the slowest rank to reach the all-reduce."""
+    buffer = bucket.buffer()
+    start = time.perf_counter()
+    dist.all_reduce(buffer)
+    if buffer.is_cuda:
+        torch.cuda.synchronize(buffer.device)  # NCCL returns before the GPU is done
+    seconds[-1] += time.perf_counter() - start
+    future = torch.futures.Future()
+    future.set_result(buffer.div_(dist.get_world_size()))
+    return future
+
+
 def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 6e-3,
           num_sequences: int = 4096, clip: float = 1.0, weight_decay: float = 0.0, seed: int = 0,
           n_layer: int = 2, n_embd: int = 64, n_head: int = 4, warmup_steps: int = 5,
-          log_every: int = 0) -> dict:
+          log_every: int = 0, time_allreduce: bool = False) -> dict:
     """Train the small GPT with DDP on this rank; every rank of the default group must call it.
 
     batch_size is per rank (the micro batch): the effective batch is batch_size x world_size.
     Returns this rank's summary: final loss (averaged over ranks and the last 20 steps),
     parameter checksum, tokens/s of the whole job, epochs started. Throughput is measured as in lesson 01:
     after `warmup_steps` steps, the job's tokens per step over the median step time (with its spread).
+    time_allreduce=True averages the gradients through a timed comm hook (the same all-reduce, blocking)
+    and adds this rank's medians, in ms over the timed steps: the whole step, the all-reduce, the rest.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = utils.device()
@@ -73,6 +91,9 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
                        n_head=n_head, n_embd=n_embd)
     model = GPT(config).to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    allreduce_seconds = []  # per step: seconds spent in the gradient all-reduce (time_allreduce only)
+    if time_allreduce:
+        ddp_model.register_comm_hook(allreduce_seconds, timed_allreduce_hook)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=lr, betas=(0.9, 0.95),
                                   weight_decay=weight_decay)
 
@@ -82,6 +103,7 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         for x, y in loader:
             x, y = x.to(device), y.to(device)
+            allreduce_seconds.append(0.0)  # the hook adds this step's all-reduce time
             loss = ddp_model(x, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces (averages) the gradients during backward
@@ -106,7 +128,13 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     checksum, digest = parameter_checksum(model)
     tokens_per_step = batch_size * seq_len * world_size  # the whole job's
     rate = throughput(step_seconds, tokens_per_step, warmup_steps) if steps > warmup_steps else None
-    return {
+    timings = {}
+    if time_allreduce and steps > warmup_steps:
+        timed = list(zip(step_seconds, allreduce_seconds))[warmup_steps:]
+        median_ms = lambda values: 1e3 * statistics.median(values)
+        timings = {"step_ms": median_ms([s for s, _ in timed]), "allreduce_ms": median_ms([a for _, a in timed]),
+                   "outside_allreduce_ms": median_ms([s - a for s, a in timed])}
+    return {**timings,
         "rank": rank,
         "world_size": world_size,
         "final_loss": final,
