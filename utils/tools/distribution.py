@@ -32,7 +32,8 @@ from . import release
 ROOT = Path(__file__).resolve().parents[2]
 # What the distribution leaves out of utils/: the grader (verdicts and their hidden cases; reference.py, the
 # private reference formulas), the tools that write the student copies and the website.
-PRIVATE = ("tools/grade", "tools/release.py", "tools/distribution.py", "tools/student_start.py", "tools/book.py")
+PRIVATE = ("tools/grade", "tools/release.py", "tools/distribution.py", "tools/student_start.py", "tools/book.py",
+           "tools/portable.py", "tools/gpu_check.py")   # the course's own checks: make test-portable, make gpu-check
 START = "tools/student_start.py"   # written as course.py at the distribution's root
 
 # A lesson's note for instructors beside its lab link, e.g. "(work in the copy your instructor hands out: in the
