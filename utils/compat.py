@@ -16,7 +16,8 @@ cell names an argument that some supported torch lacks, and none prints a deprec
 
 A feature some supported torch lacks has a name in FEATURES; a cell that shows it starts with
 `%%requires NAME` (registered when a notebook imports utils): on a torch without it the cell prints one line
-saying so and is skipped, without an error; elsewhere it runs as if the line were not there.
+saying so and is skipped, without an error; elsewhere it runs as if the line were not there. One feature is the
+machine's, not torch's: `%%requires cluster` (root on Linux with iproute2: utils.tools.cluster's namespace nodes).
 """
 import inspect
 
@@ -123,6 +124,18 @@ FEATURES = {
 }
 
 
+def _cluster_feature():
+    """Whether this machine can make utils.tools.cluster's namespace nodes (Linux, root, iproute2), and why not."""
+    from .tools.cluster import unavailable
+    why = unavailable()
+    return why is None, why or ""
+
+
+# features of the machine rather than of torch: a skipped cell says "on this machine"
+_MACHINE_FEATURES = {"cluster"}
+FEATURES["cluster"] = _cluster_feature()
+
+
 def requires(line, cell):
     """The `%%requires NAME` cell magic: run the cell if this torch has feature NAME (see FEATURES), else say
     in one line why it is skipped. An error in the cell is an error of the cell, as without the magic."""
@@ -131,7 +144,8 @@ def requires(line, cell):
         raise ValueError(f"%%requires {name!r}: not a feature utils.compat knows (one of {', '.join(FEATURES)})")
     available, missing = FEATURES[name]
     if not available:
-        print(f"(skipped on torch {torch.__version__}: {missing})")
+        where = "this machine" if name in _MACHINE_FEATURES else f"torch {torch.__version__}"
+        print(f"(skipped on {where}: {missing})")
         return None
     from IPython import get_ipython
     result = get_ipython().run_cell(cell, store_history=False)
