@@ -10,7 +10,8 @@ Needs Linux and root (network namespaces, tc); elsewhere it prints one line sayi
    a compute-only step (no gradient sync) in the same run, interleaved; then the same three on 4 ranks of one node
    whose all-reduces go through utils.simlink at the fitted α and the shaped rate. Printed: real / simulator per
    wrapper, and the real step against utils.step_model's band (overlap 2/3 … 0) for the same α and bandwidth.
-   The check, its tolerance fixed before the first run: real / simulator within 1 ± 0.30 for both wrappers.
+   The check, its tolerance fixed before the first run: real / simulator within 1 ± 0.30 for both wrappers. Also
+   printed: what the link adds to a step (step − compute-only step of the same run), real against simulated.
 3. A flat ring all-reduce against a hierarchical one (reduce-scatter in the node, all-reduce of each half across,
    all-gather in the node), 2 × 2 ranks: bytes each node sent on its link (the kernel's counter: payload and
    TCP/IP headers) as a multiple of M, and time. The ring model says 1.5 M against 1.0 M per node.
@@ -156,6 +157,13 @@ def part_ddp(cluster, alpha, rounds, steps, bucket_mb):
             line += f"  {low * 1e3:.1f} … {high * 1e3:.1f} (real / band: {r.median / low:.2f} … {r.median / high:.2f})"
             verdicts.append((name, r.median / s.median))
         print(line)
+    # the compute-only step moves between the two runs (another process's load): compare what the link adds
+    sim_compute = statistics.median(sim["samples"]["compute only"])
+    for name in list(real["samples"])[1:]:
+        added_real = statistics.median(real["samples"][name]) - compute
+        added_sim = statistics.median(sim["samples"][name]) - sim_compute
+        print(f"  {name}: step − compute-only step: real {added_real * 1e3:.1f} ms, simulated {added_sim * 1e3:.1f} ms "
+              f"(ratio {added_real / added_sim:.2f}); model, no overlap: {comm * 1e3:.1f} ms")
     return verdicts
 
 

@@ -183,3 +183,28 @@ def test_a_killed_worker_on_one_node_restarts_the_two_node_job(can_run, tmp_path
     assert events.count("rank0 launched") == 2 and events.count("rank1 launched") == 2, events
     digests = {name: logs[name]["agents.out"].strip().splitlines()[-1] for name in runs}
     assert digests["plain"].startswith("final parameters sha256 ") and digests["plain"] == digests["killed"], digests
+
+
+def test_pending_lesson_cells_insert_and_say_what_they_need(tmp_path):
+    """lessons/_pending/real_link_cells.json: valid cells whose code starts with `%%requires cluster` and ignores
+    its output (so nbval passes with and without the cluster); insert_cells puts them after a given cell, once."""
+    import json
+
+    import nbformat
+    from utils.tools import insert_cells
+    cells_path = ROOT / "lessons" / "_pending" / "real_link_cells.json"
+    cells = json.loads(cells_path.read_text())
+    code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    assert code and all(src.startswith("%%requires cluster\n# NBVAL_IGNORE_OUTPUT\n") for src in code)
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("a"), nbformat.v4.new_markdown_cell("b")])
+    path = tmp_path / "lesson.ipynb"
+    nbformat.write(notebook, path)
+    first = notebook.cells[0]["id"]
+    assert insert_cells.insert(cells_path, path, first) == len(cells)
+    merged = nbformat.read(path, as_version=4)
+    nbformat.validate(merged)
+    assert [c["id"] for c in merged.cells] == [first, *(c["id"] for c in cells), notebook.cells[1]["id"]]
+    with pytest.raises(SystemExit, match="inserted before"):
+        insert_cells.insert(cells_path, path, first)
+    with pytest.raises(SystemExit, match="no cell with id"):
+        insert_cells.insert(cells_path, path, "nonesuch")
