@@ -51,6 +51,9 @@ def wait_all(agents, timeout):
 
 
 def test_unavailable_says_in_one_line_what_it_needs(monkeypatch):
+    monkeypatch.setattr(cl.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cl, "_capable", lambda bit: bit != 21)
+    assert "needs root with CAP_SYS_ADMIN (a container" in cl.unavailable()
     monkeypatch.setattr(cl.os, "geteuid", lambda: 1000)
     monkeypatch.setattr(cl.shutil, "which", lambda name: "/usr/sbin/" + name)
     why = cl.unavailable()

@@ -61,7 +61,22 @@ def unavailable() -> str | None:
         return f"the namespace cluster needs iproute2's {' and '.join(missing)} on PATH (apt-get install iproute2)"
     if os.geteuid() != 0:
         return "the namespace cluster needs root (ip netns, tc): run as root, e.g. in CI or a container"
+    missing = [name for name, bit in (("CAP_SYS_ADMIN", 21), ("CAP_NET_ADMIN", 12)) if not _capable(bit)]
+    if missing:
+        return (f"the namespace cluster needs root with {' and '.join(missing)} (a container: run it with "
+                f"--cap-add SYS_ADMIN --cap-add NET_ADMIN, or --privileged)")
     return None
+
+
+def _capable(bit: int) -> bool:
+    """Whether this process has capability number `bit` in effect (Linux's /proc/self/status)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    except OSError:
+        pass
+    return True   # cannot tell: let `ip` say
 
 
 def _ip(*args, check=True, netns=None) -> str:
