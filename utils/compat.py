@@ -116,7 +116,7 @@ def end_group_before_exit() -> None:
         dist.destroy_process_group()
 
 
-# name: (whether this torch has it, what is missing where it does not)
+# name: (whether this torch has it, what is missing where it does not), or a function returning that pair
 FEATURES = {
     # FSDP2 records an event on its collectives' stream; torch 2.6's CPU streams cannot (torch 2.13's can)
     "fsdp2_on_cpu": (hasattr(getattr(torch, "cpu", None), "Stream") and hasattr(torch.cpu.Stream, "record_event"),
@@ -131,9 +131,10 @@ def _cluster_feature():
     return why is None, why or ""
 
 
-# features of the machine rather than of torch: a skipped cell says "on this machine"
+# features of the machine rather than of torch: a skipped cell says "on this machine". Asked only when a cell
+# needs it (a callable in FEATURES): importing utils imports nothing of utils.tools.
 _MACHINE_FEATURES = {"cluster"}
-FEATURES["cluster"] = _cluster_feature()
+FEATURES["cluster"] = _cluster_feature
 
 
 def requires(line, cell):
@@ -142,7 +143,7 @@ def requires(line, cell):
     name = line.strip()
     if name not in FEATURES:
         raise ValueError(f"%%requires {name!r}: not a feature utils.compat knows (one of {', '.join(FEATURES)})")
-    available, missing = FEATURES[name]
+    available, missing = FEATURES[name]() if callable(FEATURES[name]) else FEATURES[name]
     if not available:
         where = "this machine" if name in _MACHINE_FEATURES else f"torch {torch.__version__}"
         print(f"(skipped on {where}: {missing})")

@@ -17,7 +17,7 @@ veth. `tbf` shapes what *leaves* an interface, so it sits on both ends of each c
 Only bandwidth is set: this machine's kernel has no `netem`, so no delay is added and α is the real stack's.
 
 Names. A run takes a free slot s under a lock; its namespaces are `dpfs<s>p<pid>n<i>` (and `...sw` for the switch)
-and its subnet 10.(200 + s // 256).(s % 256).0/24, so concurrent runs (make test's workers) never share a name or a
+and its subnet 10.(200 + s // 256).(s % 256).0/24, so concurrent runs (parallel test workers) never share a name or a
 subnet. The interfaces are created inside the namespaces and never exist in the machine's own.
 
 Teardown. On leaving the `with` block (an exception, Ctrl-C, or SIGTERM, which the block turns into an exception
