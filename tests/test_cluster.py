@@ -95,8 +95,9 @@ def test_links_are_shaped_and_teardown_leaves_nothing(can_run, tmp_path):
         assert proc.communicate(timeout=30)[0].strip() == str(4 << 20)
         seconds = float(sent.stdout)
         rate = (4 << 20) / seconds
-        # no faster than the shaper allows (its 64 kB burst aside), and not starved either
-        assert 0.5 * cluster.rate_bytes < rate < 1.1 * cluster.rate_bytes, f"{rate / 1e6:.1f} MB/s"
+        # no faster than the shaper allows (its 64 kB burst aside; unshaped, a veth moves GB/s). No lower bound:
+        # on a loaded machine the two processes may wait for a core.
+        assert rate < 1.1 * cluster.rate_bytes, f"{rate / 1e6:.1f} MB/s"
         assert cluster.tx_bytes(2) >= 4 << 20
         cluster.popen(1, ["sleep", "600"])   # a process teardown must stop
     assert cluster.leftovers() == [] and not set(names) & set(cl.ours())
@@ -108,13 +109,22 @@ def test_interrupted_run_leaves_nothing(can_run, how):
     # the module run as a file: `-m utils.tools.cluster` would import the utils package, and torch with it
     holder = subprocess.Popen([sys.executable, str(ROOT / "utils" / "tools" / "cluster.py"), "hold"], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    names = holder.stdout.readline().split()
-    assert len(names) == 2 and set(names) <= set(cl.ours()), holder.stderr.read() if not names else names
-    inside = [int(p) for p in subprocess.run(["ip", "netns", "pids", names[0]], capture_output=True,
-                                             text=True).stdout.split()]
-    assert inside, "the holder's sleep runs in node 0"
-    holder.send_signal(how)
-    holder.wait(30)
+    try:
+        names = holder.stdout.readline().split()
+        assert len(names) == 2 and set(names) <= set(cl.ours()), holder.stderr.read() if not names else names
+        for _ in range(100):   # `ip netns exec` enters the namespace just after it starts
+            inside = [int(p) for p in subprocess.run(["ip", "netns", "pids", names[0]], capture_output=True,
+                                                     text=True).stdout.split()]
+            if inside:
+                break
+            time.sleep(0.05)
+        assert inside, "the holder's sleep runs in node 0"
+        holder.send_signal(how)
+        holder.wait(30)
+    finally:
+        if holder.poll() is None:   # a failed assertion above: the holder still cleans up after itself
+            holder.terminate()
+            holder.wait(30)
     if how == signal.SIGKILL:
         assert set(names) <= set(cl.ours()), "killed outright, the holder could not clean up"
         assert set(names) <= set(cl.sweep())
