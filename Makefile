@@ -18,7 +18,7 @@ COMPAT_ENV = $(COMPAT_ROOT)/$(shell printf '%s' '$(TORCH_SPEC)' | tr -cs 'A-Za-z
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-portable gpu-check lab book release distribution grade regrade benchmarks compat compat-ends clean
+.PHONY: install run test test-portable gpu-check lab book release distribution grade regrade benchmarks compat compat-ends clean cluster
 
 install: $(STAMP)
 
@@ -107,3 +107,8 @@ compat-ends:
 
 clean:
 	rm -rf build release
+
+# Two "nodes" on this machine (network namespaces joined by a veth pair shaped to 200 Mbit/s; Linux, root): the
+# README's two-node torchrun command, run for real; everything it made is removed again (utils/tools/cluster.py)
+cluster: install
+	$(PY) -m utils.tools.cluster demo

@@ -17,7 +17,8 @@ cell names an argument that some supported torch lacks, and none prints a deprec
 
 A feature some supported torch lacks has a name in FEATURES; a cell that shows it starts with
 `%%requires NAME` (registered when a notebook imports utils): on a torch without it the cell prints one line
-saying so and is skipped, without an error; elsewhere it runs as if the line were not there.
+saying so and is skipped, without an error; elsewhere it runs as if the line were not there. One feature is the
+machine's, not torch's: `%%requires cluster` (root on Linux with iproute2: utils.tools.cluster's namespace nodes).
 """
 import inspect
 
@@ -132,12 +133,25 @@ def set_group_timeout(seconds: float, group=None) -> None:
     _SET_PG_TIMEOUT(timedelta(seconds=seconds), group)
 
 
-# name: (whether this torch has it, what is missing where it does not)
+# name: (whether this torch has it, what is missing where it does not), or a function returning that pair
 FEATURES = {
     # FSDP2 records an event on its collectives' stream; torch 2.6's CPU streams cannot (torch 2.13's can)
     "fsdp2_on_cpu": (hasattr(getattr(torch, "cpu", None), "Stream") and hasattr(torch.cpu.Stream, "record_event"),
                      "FSDP2 (fully_shard) cannot run on the CPU with this torch: its CPU streams record no events"),
 }
+
+
+def _cluster_feature():
+    """Whether this machine can make utils.tools.cluster's namespace nodes (Linux, root, iproute2), and why not."""
+    from .tools.cluster import unavailable
+    why = unavailable()
+    return why is None, why or ""
+
+
+# features of the machine rather than of torch: a skipped cell says "on this machine". Asked only when a cell
+# needs it (a callable in FEATURES): importing utils imports nothing of utils.tools.
+_MACHINE_FEATURES = {"cluster"}
+FEATURES["cluster"] = _cluster_feature
 
 
 def requires(line, cell):
@@ -146,9 +160,10 @@ def requires(line, cell):
     name = line.strip()
     if name not in FEATURES:
         raise ValueError(f"%%requires {name!r}: not a feature utils.compat knows (one of {', '.join(FEATURES)})")
-    available, missing = FEATURES[name]
+    available, missing = FEATURES[name]() if callable(FEATURES[name]) else FEATURES[name]
     if not available:
-        print(f"(skipped on torch {torch.__version__}: {missing})")
+        where = "this machine" if name in _MACHINE_FEATURES else f"torch {torch.__version__}"
+        print(f"(skipped on {where}: {missing})")
         return None
     from IPython import get_ipython
     result = get_ipython().run_cell(cell, store_history=False)
