@@ -37,7 +37,8 @@ LONGEST_FIRST = ["tests/test_grade_labs.py", "tests/test_release_grade.py", "tes
                  "tests/test_grade_verdicts_lab3.py", "tests/test_browser.py", "tests/test_grade_gradebook.py",
                  "tests/test_book.py", "lessons/04_bucketing_and_overlap.ipynb", "lessons/02_four_replicas.ipynb",
                  "lessons/07_scaling.ipynb", "lessons/05_stragglers.ipynb", "lessons/03_allreduce_from_scratch.ipynb",
-                 "lessons/08_checkpoints_and_failures.ipynb", "tests/test_grade_verdicts.py"]
+                 "lessons/08_checkpoints_and_failures.ipynb", "tests/test_grade_verdicts.py",
+                 "lessons/09_communicating_less.ipynb"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -163,7 +163,70 @@ def _every_route_to_a_collective_is_forbidden():
     return caught, t.tolist()
 
 
+def _ddp_hooks_and_groups():
+    """Plain DDP, DDP with an fp16 hook, a subgroup's all-reduce and (where this torch runs FSDP2 on the CPU)
+    HSDP on a 2 × 2 mesh: what count_bytes sees of each, with and without cpp_calls."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2))   # 54 + 14 = 68 parameters
+    x = torch.randn(4, 8)
+    out = {}
+    with bytecount.count_bytes(cpp_calls=True) as counter:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    out["built"] = counter.summary()
+    for name, cpp_calls in (("plain", True), ("plain, Python only", False)):
+        with bytecount.count_bytes(cpp_calls=cpp_calls) as counter:
+            ddp(x).sum().backward()
+        out[name] = counter.summary()
+    ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+    with bytecount.count_bytes(cpp_calls=True) as counter:
+        ddp(x).sum().backward()
+    out["fp16 hook"] = counter.summary()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    with bytecount.count_bytes(cpp_calls=True) as counter:
+        dist.all_reduce(torch.ones(10), group=halves[rank // 2])
+        dist.all_reduce(torch.ones(10))
+    out["groups"] = counter.summary()
+    if utils.compat.FEATURES["fsdp2_on_cpu"][0]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        hsdp = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2))
+        fully_shard(hsdp, mesh=mesh)
+        with bytecount.count_bytes(cpp_calls=True) as counter:
+            hsdp(x).sum().backward()
+        out["hsdp"] = counter.summary()
+    return out
+
+
 # ------------------------------------------------------------------ tests
+
+def test_ddp_hooks_fsdp2_and_process_groups_are_counted():
+    results = utils.launch(_ddp_hooks_and_groups, world_size=4, timeout=90)
+    grad_bytes = 68 * 4
+    for rank, out in enumerate(results):
+        built = out["built"]["by_op"]["c10d.broadcast_"]   # rank 0's parameters (and DDP's own checks), when built
+        assert built["sent" if rank == 0 else "received"] >= (3 * grad_bytes if rank == 0 else grad_bytes), built
+        assert built["received" if rank == 0 else "sent"] == 0, built
+        plain = out["plain"]
+        assert plain["nominal_sent"] == plain["nominal_received"] == 2 * 3 * grad_bytes // 4, plain
+        assert list(plain["by_op"]) == ["c10d.allreduce_"] and plain["sent"] == 0
+        assert out["plain, Python only"]["nominal_sent"] == 0             # the reducer's C++ call: not seen
+        hook = out["fp16 hook"]                                          # half the bytes, counted once
+        assert hook["nominal_sent"] == plain["nominal_sent"] // 2, hook["by_op"]
+        assert sum(entry["calls"] for entry in hook["by_op"].values()) == 1, hook["by_op"]
+        mine = (0, 1) if rank < 2 else (2, 3)
+        assert out["groups"]["by_group"] == {
+            mine: dict(calls=1, sent=0, received=0, nominal_sent=40, nominal_received=40),
+            (0, 1, 2, 3): dict(calls=1, sent=0, received=0, nominal_sent=60, nominal_received=60)}
+        if "hsdp" in out:          # shard groups are mesh rows, replicate groups its columns
+            groups = out["hsdp"]["by_group"]
+            row, column = ((0, 1) if rank < 2 else (2, 3)), ((0, 2) if rank % 2 == 0 else (1, 3))
+            assert set(groups) == {row, column}, groups
+            ops = out["hsdp"]["by_op"]
+            assert groups[column]["nominal_sent"] == 2 * 1 * (grad_bytes // 2) // 2, (groups, ops)
 
 def test_exact_counts_on_a_known_pattern():
     zero, one = utils.launch(_known_pattern, world_size=2, timeout=60)
@@ -300,6 +363,10 @@ def test_counter_summary_totals():
     assert (s["sent"], s["received"], s["nominal_sent"], s["nominal_received"]) == (100, 30, 7, 7)
     assert (s["messages_sent"], s["messages_received"]) == (1, 1)
     assert s["by_peer"] == {1: dict(sent=0, received=30), 2: dict(sent=100, received=0)}
+    assert s["by_group"] == {None: dict(calls=3, sent=100, received=30, nominal_sent=7, nominal_received=7)}
+    counter.add("all_reduce", sent=5, received=5, nominal=True, group=[0, 2])
+    assert counter.summary()["by_group"][(0, 2)] == dict(calls=1, sent=0, received=0, nominal_sent=5,
+                                                         nominal_received=5)
     counter.reset()
     assert counter.summary()["sent"] == 0
     assert bytecount.tensor_bytes(torch.zeros(3, 5, dtype=torch.bfloat16)) == 30

@@ -19,6 +19,18 @@ Two context managers, both active only in the process (rank) that enters them:
   point-to-point operators too, which the counter cannot see). Code run inside it provably communicates
   through the counted point-to-point calls only — short of deliberate tampering with this module.
 
+Every record names the process group it went through (``group``: the tuple of its global ranks), so
+``summary()["by_group"]`` tells, e.g., HSDP's all-reduce across "nodes" from its all-gathers inside one.
+
+What the Python-level patches cannot see: communication that torch starts in C++ — plain
+``DistributedDataParallel``'s reducer (its gradient all-reduce) and its parameter broadcast at construction.
+``count_bytes(cpp_calls=True)`` counts those too: a dispatch mode (``torch.utils._python_dispatch``) sees every
+``c10d`` operator this thread dispatches, and records the ones no patched Python call is already counting —
+nominal volumes again, under the operator's name (``c10d.allreduce_``). It slows every operator in the block
+(each passes through Python), so count a few steps, not a timed run. The mode is thread-local: a collective
+that a DDP communication hook starts in a future's callback (on a backend thread) is counted by the Python
+patches instead, as any ``dist.<name>`` call.
+
 Typical use inside a function run on every rank by ``utils.launch``::
 
     with bytecount.count_bytes() as counter, bytecount.forbid_collectives():
@@ -85,8 +97,8 @@ OP_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 NOT_COMMUNICATION = ("check_for_nan", "wait_tensor")
 
 # Record names of the calls that put one message on the wire, or take one off it.
-_SENDS = ("send", "isend", "group.send")
-_RECEIVES = ("recv", "irecv", "group.recv", "group.recv_anysource")
+_SENDS = ("send", "isend", "group.send", "c10d.send")
+_RECEIVES = ("recv", "irecv", "group.recv", "group.recv_anysource", "c10d.recv_")
 
 
 def tensor_bytes(tensor) -> int:
@@ -102,12 +114,13 @@ class ByteCounter:
     """Per-rank record of communication calls. Fill it with ``count_bytes()``; read it with ``summary()``."""
 
     def __init__(self):
-        self.records = []  # one dict per call: op, peer, sent, received, nominal
+        self.records = []  # one dict per call: op, peer, sent, received, nominal, asynchronous, group
 
-    def add(self, op, sent=0, received=0, peer=None, nominal=False, asynchronous=False):
-        """Record one call. `asynchronous`: a collective called with async_op=True (it returned at once)."""
+    def add(self, op, sent=0, received=0, peer=None, nominal=False, asynchronous=False, group=None):
+        """Record one call. `asynchronous`: a collective called with async_op=True (it returned at once);
+        `group`: the global ranks of the process group it went through (None: not known)."""
         self.records.append(dict(op=op, peer=peer, sent=int(sent), received=int(received), nominal=nominal,
-                                 asynchronous=asynchronous))
+                                 asynchronous=asynchronous, group=None if group is None else tuple(group)))
 
     def _total(self, key, nominal):
         return sum(r[key] for r in self.records if r["nominal"] == nominal)
@@ -147,10 +160,19 @@ class ByteCounter:
         self.records.clear()
 
     def summary(self) -> dict:
-        """A plain dict (picklable, printable) of totals, per-op and per-peer breakdowns."""
+        """A plain dict (picklable, printable) of totals, per-op, per-peer and per-group breakdowns.
+
+        ``by_group`` maps a group's global ranks (a tuple) to its calls and its exact and nominal bytes.
+        """
         by_op = defaultdict(lambda: dict(calls=0, sent=0, received=0))
         by_peer = defaultdict(lambda: dict(sent=0, received=0))
+        by_group = defaultdict(lambda: dict(calls=0, sent=0, received=0, nominal_sent=0, nominal_received=0))
         for r in self.records:
+            group = by_group[r["group"]]
+            group["calls"] += 1
+            prefix = "nominal_" if r["nominal"] else ""
+            group[prefix + "sent"] += r["sent"]
+            group[prefix + "received"] += r["received"]
             entry = by_op[r["op"]]
             entry["calls"] += 1
             entry["sent"] += r["sent"]
@@ -163,6 +185,7 @@ class ByteCounter:
             nominal_sent=self.nominal_sent, nominal_received=self.nominal_received,
             messages_sent=self.messages_sent, messages_received=self.messages_received,
             by_op=dict(by_op), by_peer=dict(sorted(by_peer.items())),
+            by_group=dict(sorted(by_group.items(), key=lambda item: (item[0] is None, item[0] or ()))),
         )
 
 
@@ -267,6 +290,14 @@ def _nominal_volume(name, bound):
     return (n - 1) * m // n, (n - 1) * m // n
 
 
+def _group_ranks(group):
+    """The global ranks of a process group (None: the default group), or None where they cannot be told."""
+    try:
+        return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    except (RuntimeError, ValueError, AttributeError):  # a backend object, or a group this rank is not in
+        return None
+
+
 def _check_peer(label, key, peer, size, me, sending):
     """Refuse a peer that is no rank of the group, or the calling rank itself, before the backend sees it.
 
@@ -309,17 +340,20 @@ def _counting_wrapper(label, name, original):
             result = original(*args, **kwargs)
         finally:
             _inside.depth = 0
+        group = _group_ranks(bound.arguments.get("group"))
         if name in POINT_TO_POINT:
             nbytes = tensor_bytes(bound.arguments["tensor"])
             if name == "recv" and peer is None:
                 peer = result  # recv from any source returns the sender's rank
             for counter in _active_counters:
-                counter.add(name, sent=nbytes if sending else 0, received=0 if sending else nbytes, peer=peer)
+                counter.add(name, sent=nbytes if sending else 0, received=0 if sending else nbytes, peer=peer,
+                            group=group)
         else:
             sent, received = _nominal_volume(name, bound)
             asynchronous = bool(bound.arguments.get("async_op", False))
             for counter in _active_counters:
-                counter.add(name, sent=sent, received=received, nominal=True, asynchronous=asynchronous)
+                counter.add(name, sent=sent, received=received, nominal=True, asynchronous=asynchronous,
+                            group=group)
         return result
 
     return wrapper
@@ -344,31 +378,45 @@ def _group_counting_wrapper(label, name, original):
         finally:
             _inside.depth = 0
         nbytes = sum(map(tensor_bytes, tensors))
+        ranks = _group_ranks(group)
         for counter in _active_counters:
             counter.add(f"group.{name}", sent=nbytes if sending else 0, received=0 if sending else nbytes,
-                        peer=peer)
+                        peer=peer, group=ranks)
         return result
 
     return wrapper
 
 
 @contextlib.contextmanager
-def count_bytes():
+def count_bytes(cpp_calls: bool = False):
     """Count bytes this rank sends and receives inside the block; yields a ``ByteCounter``.
 
     Point-to-point counts are exact; built-in collectives called as ``dist.<name>`` are counted as nominal
     (see NOMINAL_ALGORITHM); a process group's send/recv methods called directly are counted as
     ``group.send``/``group.recv`` (peer: the rank within that group).
     A byte is counted when the call is made (for isend/irecv: when posted, not when completed).
+    `cpp_calls`: also count the communication torch starts in C++ (plain DDP's all-reduce): see the
+    module's docstring. Off by default: it makes every operator in the block slower.
     """
     counter = ByteCounter()
     _active_counters.append(counter)
     try:
         with _patched(_module_targets(POINT_TO_POINT + COLLECTIVES), _counting_wrapper), \
-                _patched(_method_targets(GROUP_POINT_TO_POINT), _group_counting_wrapper):
+                _patched(_method_targets(GROUP_POINT_TO_POINT), _group_counting_wrapper), \
+                (_cpp_calls_mode(counter) if cpp_calls else contextlib.nullcontext()):
             yield counter
     finally:
         _active_counters.remove(counter)
+
+
+def _cpp_calls_mode(counter):
+    """Count into `counter` the ``c10d`` operators this thread dispatches outside a counted Python call."""
+    from . import dispatched_comms
+
+    def record(op, sent, received, group, peer, exact):
+        counter.add(op, sent=sent, received=received, peer=peer, nominal=not exact, group=group)
+
+    return dispatched_comms.observe(record, skip=lambda: getattr(_inside, "depth", 0))
 
 
 def _forbidding_wrapper(label, name, original):
