@@ -119,7 +119,10 @@ def end_group_before_exit() -> None:
 
 
 _SET_PG_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-CAN_SET_GROUP_TIMEOUT = _SET_PG_TIMEOUT is not None
+# torch 2.6 has the call, but a gloo group ignores it (a 2 s timeout set late: the all-reduce still waited 6 s for a
+# sleeping peer; given to init_process_group: it raised after 2 s). Seen taking effect on 2.13 and 2.14; the
+# releases between are untested, so they take the init-time timeout, which works everywhere.
+CAN_SET_GROUP_TIMEOUT = _SET_PG_TIMEOUT is not None and TORCH_VERSION >= (2, 13)
 
 
 def set_group_timeout(seconds: float, group=None) -> None:
