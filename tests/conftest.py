@@ -35,10 +35,10 @@ def browser():
 # workers take a file at a time in collection order, and a long file taken last keeps one worker busy alone.
 LONGEST_FIRST = ["tests/test_grade_labs.py", "tests/test_release_grade.py", "tests/test_grade_verdicts_lab2.py",
                  "tests/test_grade_verdicts_lab3.py", "tests/test_browser.py", "tests/test_grade_gradebook.py",
-                 "tests/test_book.py", "lessons/04_bucketing_and_overlap.ipynb", "lessons/02_four_replicas.ipynb",
-                 "lessons/07_scaling.ipynb", "lessons/05_stragglers.ipynb", "lessons/03_allreduce_from_scratch.ipynb",
-                 "lessons/08_checkpoints_and_failures.ipynb", "tests/test_grade_verdicts.py",
-                 "lessons/09_communicating_less.ipynb"]
+                 "tests/test_book.py", "lessons/09_communicating_less.ipynb", "lessons/04_bucketing_and_overlap.ipynb",
+                 "lessons/02_four_replicas.ipynb", "lessons/07_scaling.ipynb", "lessons/05_stragglers.ipynb",
+                 "lessons/03_allreduce_from_scratch.ipynb", "lessons/08_checkpoints_and_failures.ipynb",
+                 "tests/test_cluster.py", "tests/test_grade_verdicts.py", "tests/test_colab_setup.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):
