@@ -29,8 +29,10 @@ submissions inside a container or VM (see INSTRUCTORS.md).
 """
 
 _EXPORTS = {
-    "cli": ["DEFAULT_TIMEOUT", "DEFAULT_CELL_TIMEOUT", "DEFAULT_VERDICT_TIMEOUT", "DEFAULT_MAX_OUTPUT", "Limits",
-            "Job", "grade", "main", "print_parts"],
+    "job": ["DEFAULT_TIMEOUT", "DEFAULT_CELL_TIMEOUT", "DEFAULT_VERDICT_TIMEOUT", "DEFAULT_MAX_OUTPUT", "Limits",
+            "Job"],
+    "cli": ["grade", "main", "print_parts"],
+    "sandbox": ["Sandbox", "SandboxUnavailable"],
     "preparation": ["Prepared", "prepare"],
     "processes": ["kill_tree"],
     "reports": ["Outcome", "feedback_text", "gradebook_rows", "read_roster", "write_reports"],
