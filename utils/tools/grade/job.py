@@ -194,16 +194,11 @@ class Job:
         self.log.add(f"[grader: {self.phase} {'stopped at the time limit' if timed_out else 'done'} after "
                      f"{time.monotonic() - self.phase_start:.1f} s]\n".encode())
         if self.phase == "verdicts":
-            if timed_out:
+            self.verdict_answer = verdict_lines(bytes(self.child.kept))
+            if timed_out:  # the parts judged before the limit keep their verdicts
                 self.outcome.verdicts = "timeout"
-            else:
-                try:
-                    self.verdict_answer = json.loads(bytes(self.child.kept))
-                    if not isinstance(self.verdict_answer.get("parts"), dict):
-                        raise ValueError("no parts")
-                except (ValueError, AttributeError):
-                    self.verdict_answer = {}
-                    self.outcome.verdicts = "grader error"
+            elif "cell_errors" not in self.verdict_answer:
+                self.outcome.verdicts = "grader error"
             errors = self.verdict_answer.get("cell_errors") or {}
             for label, error in list(errors.items())[:10]:
                 self.outcome.notes.append(f"{label} raised when the verdicts ran it: {str(error)[:300]}")
@@ -281,9 +276,28 @@ class Job:
                 passed = verdict.get("passed") is True
                 earned = None if verdict.get("out_of_time") is True else points if passed else 0
                 scores.append((grade_id, earned, points, verdict["message"][:5000]))
-            else:  # not judged: no points recorded, never 0 (reports.py lists it for a regrade)
+            else:  # ran out of time: no points recorded, never 0 (reports.py lists it for a regrade)
                 scores.append((grade_id, None if self.outcome.verdicts == "timeout" else 0, points, reason))
         return scores
+
+
+def verdict_lines(output: bytes) -> dict:
+    """The checker's answer: {"parts": {grade_id: verdict}} from its per-part lines, and with its last line
+    ({"parts", "cell_errors"}) where it finished."""
+    answer = {"parts": {}}
+    for line in output.splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(item, dict):
+            continue
+        if isinstance(item.get("part"), str) and isinstance(item.get("verdict"), dict):
+            answer["parts"][item["part"]] = item["verdict"]
+        elif isinstance(item.get("parts"), dict):
+            answer = {"parts": {**answer["parts"], **item["parts"]},
+                      "cell_errors": item.get("cell_errors") if isinstance(item.get("cell_errors"), dict) else {}}
+    return answer
 
 
 def student_functions_called(source: str, notebook) -> list:

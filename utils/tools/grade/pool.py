@@ -159,6 +159,21 @@ class Pool:
             how = "ended (how is unknown: the first verdict process did not report it)"
         return f"{who} {how} while {doing}" + (f"; its last output:\n{tail}" if tail else "")
 
+    def _crowd(self) -> str:
+        """ " (the sandbox held N processes …)" when the pool's processes number over half their limit (a fork
+        bomb), else ""."""
+        import psutil
+
+        limit = self.limits.get("processes")
+        try:
+            count = len(psutil.Process(self.proc.pid).children(recursive=True))
+        except psutil.Error:
+            return ""
+        if not limit or count < limit // 2:
+            return ""
+        return (f" (its sandbox held {count} processes, against a limit of {limit} processes and threads: a "
+                "process that forks without end?)")
+
     def _replies(self, index):
         try:
             while (frame := wire.read_frame(self.results[index], MAX_REPLY)) is not None:
@@ -185,13 +200,14 @@ class Pool:
                 waiting = sorted(ranks - replies.keys())
                 seconds = max(STARTUP_TIMEOUT, self.task_timeout) if hang_hint else self.task_timeout
                 if hang_hint:
-                    raise PoolFailure(f"no result after {seconds:g} s while {doing}: {hang_hint}", True) from None
+                    raise PoolFailure(f"no result after {seconds:g} s while {doing}: {hang_hint}{self._crowd()}",
+                                      True) from None
                 if len(ranks) == 1:
                     raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: an endless loop, "
-                                      "or a call that waits forever?", True) from None
+                                      f"or a call that waits forever?{self._crowd()}", True) from None
                 raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: likely a deadlock "
                                   f"(every rank waiting for another) or an endless loop; rank(s) "
-                                  f"{', '.join(map(str, waiting))} never replied", True) from None
+                                  f"{', '.join(map(str, waiting))} never replied{self._crowd()}", True) from None
             if kind == "reply" and index in ranks:
                 replies[index] = data
                 cases = data[0].get("cases")
