@@ -346,7 +346,7 @@ def grade_fixtures(tmp):
     try:
         seconds, log = run_grader([SUBMISSIONS, extra, "--labs", FIXTURE_LABS, "--verdicts", FIXTURE_VERDICTS,
                                    "--out", tmp / "grades", "--timeout", TIMEOUT, "--cell-timeout", CELL_TIMEOUT,
-                                   "--verdict-timeout", VERDICT_TIMEOUT, "--jobs", 2], timeout=400)
+                                   "--verdict-timeout", VERDICT_TIMEOUT, "--jobs", 2], timeout=500)
     finally:
         del os.environ["GRADE_TEST_PIDFILE"]
     rows, parts, summary = read_reports(tmp / "grades")
