@@ -9,7 +9,7 @@ their solution functions answering right only if its attack worked:
   writer  average: write into the grades, another student's feedback and another student's submission
           ring:    a network connection: to a server on the grader's own loopback, and to the internet
           chunks:  the hidden tests' source (the verdict module, the private reference formulas)
-  hog     average: a 20 GB allocation;  ring: fork without end;  chunks: right (still earns its point)
+  hog     average: a 20 GB allocation;  ring: right (still earns its points);  chunks: fork without end
 
 Each attack scores 0 on what it tries to gain, with a line that says why, and the honest submission keeps its
 exact points. tests/test_release_grade.py grades the other fixture submissions (hangs, crashes, floods).
@@ -145,19 +145,17 @@ def average(values):
     return sum(values) / len(values) + hoard[0]
 ''',
     "ring_solution": '''
-import os
 def ring_neighbours(rank, world_size):
-    while True:   # fork without end; each child waits
-        if os.fork() == 0:
-            os.execvp("sleep", ["sleep", "''' + MARKER + '''"])
+    return (rank - 1) % world_size, (rank + 1) % world_size
 def ring_schedule(world_size):
     return [[(r - s) % world_size for r in range(world_size)] for s in range(world_size - 1)]
 ''',
     "chunks_solution": '''
+import os
 def chunk_bounds(length, world_size):
-    base, extra = divmod(length, world_size)
-    starts = [r * base + min(r, extra) for r in range(world_size + 1)]
-    return list(zip(starts, starts[1:]))
+    while True:   # fork without end; each child waits
+        if os.fork() == 0:
+            os.execvp("sleep", ["sleep", "''' + MARKER + '''"])
 ''',
 }
 
@@ -232,12 +230,13 @@ def test_memory_and_process_bombs_fail_only_their_own_parts(attacked):
     machine, forks slower than that and runs out of time twice: "not graded", with the sandbox's crowd named."""
     text = attacked["feedback"]["aac-hog"]
     got = attacked["points"]["aac-hog"]
-    assert got["average"] == "0" and got["chunks"] == "1", text
+    assert got["average"] == "0" and got["ring"] == "3", text
     assert "MemoryError" in text, text
-    if got["ring"] == "0":
+    if got["chunks"] == "0":
         assert "Resource temporarily unavailable" in text, text
     else:
-        assert got["ring"] == "not graded: ran out of time" and "forks without end" in text, text
+        assert got["chunks"] == "not graded: ran out of time", text
+        assert "forks without end" in text or "reached their limit" in text, text
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if MARKER in " ".join(p.info["cmdline"] or [])]
     assert left == [], "the fork bomb's processes were all killed"
 

@@ -86,9 +86,9 @@ def gradebook_status(status: str, verdicts: str = "judged", not_graded=()) -> st
     error, not graded: ran out of time (parts whose verdicts ran out of time)."""
     if status in _GRADEBOOK_STATUS:
         return _GRADEBOOK_STATUS[status]
-    if verdicts == "grader error":
+    if verdicts in ("timeout", "grader error"):
         return verdicts
-    if verdicts == "timeout" or not_graded:
+    if not_graded:
         return NOT_GRADED
     return "graded"
 
