@@ -191,7 +191,7 @@ def attacked():
         submission(subs / "aac-hog__lab0_fixture.ipynb", HOG)
         before = {path: Path(path).read_bytes() for path in targets[2:]}
         seconds, log = run_grader([subs, "--labs", FIXTURES / "labs", "--verdicts", FIXTURES / "verdicts",
-                                   "--out", out, "--timeout", 120, "--cell-timeout", 15, "--verdict-timeout", 10,
+                                   "--out", out, "--timeout", 120, "--cell-timeout", 15, "--verdict-timeout", 5,
                                    "--jobs", 2], timeout=600)
         with open(out / "grades.csv") as f:
             points = {}
