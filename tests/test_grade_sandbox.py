@@ -227,7 +227,7 @@ def test_writes_network_and_hidden_tests_gain_nothing(attacked):
 
 def test_memory_and_process_bombs_fail_only_their_own_parts(attacked):
     """The allocation fails at once; the fork bomb either meets the process limit (its fork raises) or, on a busy
-    machine, forks slower than that and runs out of time twice: "not graded", with the sandbox's crowd named."""
+    machine, forks slower than that and runs out of time twice: "not graded" (never points)."""
     text = attacked["feedback"]["aac-hog"]
     got = attacked["points"]["aac-hog"]
     assert got["average"] == "0" and got["ring"] == "3", text
@@ -236,7 +236,8 @@ def test_memory_and_process_bombs_fail_only_their_own_parts(attacked):
         assert "Resource temporarily unavailable" in text, text
     else:
         assert got["chunks"] == "not graded: ran out of time", text
-        assert "forks without end" in text or "reached their limit" in text, text
+        assert "while running chunk_bounds" in text or "reached their limit" in text, text   # and on a machine
+        # quiet enough to near the limit in time, the message adds "its sandbox held N processes … forks without end"
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if MARKER in " ".join(p.info["cmdline"] or [])]
     assert left == [], "the fork bomb's processes were all killed"
 
