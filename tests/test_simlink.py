@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import utils
 from utils.launching import LaunchError
-from utils.simlink import _PREFIX, SimulatedLink, allreduce_hook, ring_messages
+from utils.simlink import SimulatedLink, all_gather_messages, allreduce_hook, ring_messages
+from utils.simlink.table import PREFIX as _PREFIX
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # rank functions travel by value, as from a notebook
 
@@ -60,6 +61,7 @@ def test_ring_messages():
     assert ring_messages(1200, 1) == []
     with pytest.raises(ValueError):
         ring_messages(10, 0)
+    assert all_gather_messages(300, 4) == [300] * 3 and all_gather_messages(300, 1) == []
 
 
 def test_bad_input_is_refused_with_a_clear_error():
@@ -132,6 +134,42 @@ def test_all_reduce_is_exact_costs_the_ring_and_starts_with_the_last_rank():
         assert r["end"] - r["start"] == pytest.approx(expected, abs=1e-9)
         assert r["start"] >= last_issue                       # nobody finishes before the late rank joined
         assert r["done"] >= r["end"]
+
+
+def _gathers(late):
+    # each rank contributes its own shard; rank 1 issues `late` seconds later; then a queued pair, issued together
+    rank = dist.get_rank()
+    link = SimulatedLink(alpha=0.005, bandwidth=10 * MiB)
+    if rank == 1:
+        time.sleep(late)
+    out, shard = torch.empty(2 * 1000), torch.full((1000,), float(rank + 1))
+    issued = time.perf_counter()
+    work = link.all_gather(out, shard, async_op=True)
+    work.wait()
+    dist.barrier()
+    more = [link.all_gather(torch.empty(2 * 1000), shard, async_op=True) for _ in range(2)]
+    for w in more:
+        w.wait()
+    with pytest.raises(ValueError, match="output must hold"):
+        link.all_gather(torch.empty(3), shard)
+    link.close()
+    return {"issued": issued, "gathered": out.tolist(), "op": (work.start, work.end, work.done),
+            "more": [(w.start, w.end) for w in more]}
+
+
+def test_all_gather_is_exact_costs_the_ring_and_waits_for_the_last_rank():
+    runs = utils.launch(_gathers, 0.1, world_size=2)
+    expected = (2 - 1) * (0.005 + 4000 / (10 * MiB))            # (N−1)(α + S/bw)
+    last_issue = max(r["issued"] for r in runs)
+    for r in runs:
+        assert r["gathered"] == [1.0] * 1000 + [2.0] * 1000    # rank order
+        start, end, done = r["op"]
+        assert end - start == pytest.approx(expected, abs=1e-9)
+        assert start >= last_issue                            # the early rank's gather waits for the late one
+        assert done >= end
+        (s0, e0), (s1, e1) = r["more"]
+        assert s1 == e0 and e1 - s1 == pytest.approx(expected, abs=1e-9)   # queued behind each other
+    assert runs[0]["op"][:2] == runs[1]["op"][:2]               # both ranks agree on the schedule
 
 
 def _ddp_through_link():
@@ -278,8 +316,8 @@ def test_queued_all_reduces_are_exact_fifo_and_start_with_the_last_issuer():
 
 
 def _many_in_flight(slots):
-    import utils.simlink as simlink
-    simlink._SLOTS = slots                                # a tiny table: its slots are reused many times over
+    import utils.simlink.table as table
+    table.SLOTS = slots                                # a tiny table: its slots are reused many times over
     rank = dist.get_rank()
     link = SimulatedLink(alpha=0.0005, bandwidth=1e9)
     tensors = [torch.full((4,), float(i + rank)) for i in range(6 * slots)]

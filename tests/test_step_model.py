@@ -2,7 +2,8 @@
 import pytest
 
 from utils.step_model import (bucketed_all_reduce_seconds, compute_seconds, efficiency,
-                              halving_doubling_all_reduce_seconds, hierarchical_all_reduce_seconds,
+                              halving_doubling_all_reduce_seconds, halving_doubling_any_n_all_reduce_seconds,
+                              hierarchical_all_reduce_seconds,
                               ring_all_reduce_seconds, scaling_efficiency, step_seconds)
 
 
@@ -25,6 +26,11 @@ def test_halving_doubling_and_hierarchical():
     assert halving_doubling_all_reduce_seconds(0, 1024, 1e-5, 1e9) == pytest.approx(2 * 10 * 1e-5)
     assert halving_doubling_all_reduce_seconds(0, 1000, 1e-5, 1e9) == pytest.approx(2 * 10 * 1e-5)   # ⌈log₂ 1000⌉ = 10
     assert halving_doubling_all_reduce_seconds(5, 1, 1, 1) == 0.0
+    # non-power of two: 512 ranks run the exact algorithm, the 488 others fold in and out (2 more full steps)
+    assert halving_doubling_any_n_all_reduce_seconds(1024.0, 1000, 1.0, 1.0) == pytest.approx(
+        2 * 9 * 1.0 + 2 * 511 / 512 * 1024.0 + 2 * (1.0 + 1024.0))
+    assert halving_doubling_any_n_all_reduce_seconds(1024.0, 1024, 1.0, 1.0) == halving_doubling_all_reduce_seconds(
+        1024.0, 1024, 1.0, 1.0)
     # 16 ranks, 8 per node: intra ring of 8 on M, inter ring of 2 on M/8
     t = hierarchical_all_reduce_seconds(800.0, 16, 8, 1.0, 100.0, 10.0, 1.0)
     assert t == pytest.approx(2 * 7 * (1.0 + 100 / 100.0) + 2 * 1 * (10.0 + 50 / 1.0))
