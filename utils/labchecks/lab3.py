@@ -12,10 +12,12 @@ Each check prints one ✓ line per world size, saying what it verified, or raise
 what to fix (rank, parameter, step, expected vs got):
   check_training(ShardedOptimizer)        parameters after every step = the unsharded optimizer's
   check_sharded_state(ShardedOptimizer)   each rank's inner optimizers hold ≤ 1/N of the trainable elements, and
-                                          its state ≤ 1/N of the unsharded, each + the largest parameter's
+                                          its state ≤ 1/N of the unsharded, each + the largest parameter's; each
+                                          trainable element on one rank; every update right on its owner
   check_synchronisation(ShardedOptimizer) one rank's parameters perturbed before a step: identical again after it
   check_param_groups(ShardedOptimizer)    two groups at construction, add_param_group mid-training with its own
-                                          lr, every lr changed in param_groups mid-run, zero_grad()
+                                          lr (shared out too), every lr changed in param_groups mid-run,
+                                          zero_grad(); every update right on its owner
 
 Three layers, so that a grader can judge in a process that runs no student code:
   1. what a rank runs (`run_cases`, student code inside): it returns plain data only (see `run_case`);
@@ -268,8 +270,10 @@ def check_training(Optimizer, world_sizes=WORLD_SIZES, models=MODELS, optimizers
 
 def check_sharded_state(Optimizer, world_sizes=WORLD_SIZES, models=(DEEP, UNEVEN), optimizers=OPTIMIZERS,
                         steps=2, timeout=TIMEOUT, seed=0):
-    """Each rank's inner optimizers hold ≤ 1/N of the trainable elements + the largest parameter's, and its
-    optimizer state is ≤ 1/N of the unsharded optimizer's + the state of its largest parameter."""
+    """Each rank's inner optimizers hold ≤ 1/N of the trainable elements + the largest parameter's (frozen ones
+    are no load), together each trainable element once, and its optimizer state is ≤ 1/N of the unsharded
+    optimizer's + the state of its largest parameter; every parameter updated right on the rank that owns it
+    (the synchronisation is check_synchronisation's)."""
     cases = [make_case(m, o, steps=steps, seed=seed + i) for i, (m, o) in
              enumerate((m, o) for o in optimizers for m in models)]
     for n in world_sizes:

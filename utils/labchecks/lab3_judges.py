@@ -108,9 +108,10 @@ def held_bound(reference, world_size):
     return reference["trainable"] / world_size + reference["largest_elements"]
 
 
-def _held_problem(rank, held, world_size, reference):
+def _held_problem(rank, held, world_size, reference, together):
+    """What is wrong with one rank holding `held` trainable elements (`together`: all ranks' sum)."""
     total, bound = reference["trainable"], held_bound(reference, world_size)
-    if held >= total:
+    if held >= total and together > total + world_size * reference["parameters"]:
         return (f"rank {rank}: the optimizers your class keeps hold all {total:,} trainable elements in their "
                 f"param_groups (at most {bound:,.0f} allowed: 1/{world_size} + the largest parameter's "
                 f"{reference['largest_elements']:,}). An inner optimizer over every parameter is not sharded, even "
@@ -119,15 +120,17 @@ def _held_problem(rank, held, world_size, reference):
     return (f"rank {rank}: the split is unbalanced: this rank's inner optimizer holds {held:,} of the {total:,} "
             f"trainable elements ({held / total:.0%}), more than 1/{world_size} ({total / world_size:,.0f}) + the "
             f"largest parameter ({reference['largest_elements']:,}) = {bound:,.0f}. A split by position "
-            "(parameter i to rank i mod N) gives tensors N positions apart to one rank: balance by size instead, "
-            "e.g. take the parameters largest first and give each to the rank with the fewest trainable elements "
-            "so far (every rank computing the same split)")
+            "(parameter i to rank i mod N) gives tensors N positions apart to one rank, and a split that counts "
+            "frozen parameters as load gives a rank with a large frozen tensor too few trainable ones: balance by "
+            "trainable size instead, e.g. take the parameters largest first and give each to the rank with the "
+            "fewest trainable elements so far (a frozen parameter is no load; every rank computing the same split)")
 
 
 def judge_state(case, world_size, results, reference):
     """Problems with what each rank's optimizers hold: the elements of its inner optimizers' parameters
     (`held`) and the bytes of its optimizer state (`state_bytes`), one rank dict each."""
-    problems = [_held_problem(rank, r["held"], world_size, reference) for rank, r in enumerate(results)
+    together = sum(r["held"] for r in results)
+    problems = [_held_problem(rank, r["held"], world_size, reference, together) for rank, r in enumerate(results)
                 if r["held"] > held_bound(reference, world_size)] or judge_shared_out(case, world_size, results,
                                                                                        reference)
     if problems:

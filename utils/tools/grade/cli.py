@@ -320,7 +320,7 @@ def print_parts(labs: dict) -> None:
             where = "in one process" if isinstance(spec, InProcess) else \
                 f"on {', '.join(map(str, spec.world_sizes))} ranks"
             print(f"    {grade_id:<28} {num(points):>4}   {spec.what}, {where}")
-        print(f"  verdicts run, from the lab's cells by cell id (Edit → cell metadata shows a cell's id): "
+        print(f"  verdicts run, from the lab's cells by cell id (each cell's \"id\" in the notebook file): "
               f"{', '.join(verdict_cells(lab)) or '(none)'}, then the solution cells")
 
 
