@@ -220,7 +220,7 @@ def test_state_kept_beside_the_inner_optimizer_counts():
 def test_a_split_by_position_is_unbalanced_at_every_world_size():
     # lab3.UNEVEN: equal large tensors 6 positions apart; DEEP: many equal ones, an index split balanced at N = 3.
     for n in (2, 3, 4):
-        _fails(r"the split is unbalanced: this rank's inner optimizer holds .* balance by size instead, e\.g\. take "
+        _fails(r"the split is unbalanced: this rank's inner optimizer holds .* balance by trainable size instead, e\.g\. take "
                r"the parameters largest first", lab3.check_sharded_state, Sharded, world_sizes=(n,),
                models=(lab3.UNEVEN,), optimizers=(lab3.SGD,))
     lab3.check_sharded_state(BySize, world_sizes=(2, 3, 4), optimizers=(lab3.SGD,))
