@@ -277,3 +277,66 @@ def test_cost_cases_are_the_same_at_every_grading_and_judge_the_subtractions_the
                        for args in crossover.params["calls"]]
             problems = verdicts._judge_cost(crossover, Result(value=answers))
             assert (problems == []) is passes, (seed, tolerant, problems)
+
+
+# ------------------------------------------------------------------ what the lab's cells define, the verdicts provide
+
+USES_THE_LABS_HELPER = '''def all_reduce_halving_doubling(tensor):
+    """The fold by hand, then the lab's own table of ranges (halving_doubling_ranges, defined in a cell that also
+    prints) for every halving and doubling step of this rank's position."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    result = tensor.clone()
+    p = 1 << (n.bit_length() - 1)
+    extra = n - p
+    if rank < 2 * extra:
+        if rank % 2 == 0:
+            dist.send(result, rank + 1)
+            dist.recv(result, rank + 1)
+            return result
+        inbox = torch.empty_like(result)
+        dist.recv(inbox, rank - 1)
+        result += inbox
+        me = rank // 2
+    else:
+        me = rank - extra
+    real = lambda q: 2 * q + 1 if q < extra else q + extra   # noqa: E731
+    inbox = torch.empty_like(result)
+    for step, q, partner, out, into, _ in halving_doubling_ranges(p, result.numel()):
+        if q != me:
+            continue
+        if step.startswith("halve"):
+            exchange(result[out[0]:out[1]], real(partner), inbox[into[0]:into[1]], real(partner))
+            result[into[0]:into[1]] += inbox[into[0]:into[1]]
+        else:
+            exchange(result[out[0]:out[1]], real(partner), result[into[0]:into[1]], real(partner))
+    if rank < 2 * extra:
+        dist.send(result, rank - 1)
+    return result
+'''
+
+
+def test_a_solution_may_call_what_the_labs_cells_define():
+    """Part 3 solved with `halving_doubling_ranges`, which the lab defines in a cell that also prints: the visible
+    check passes (the notebook ran that cell), and so must the verdict, on both gradings (it was a NameError:
+    verdicts ran only cells made of definitions). The cell's definitions run, its prints do not."""
+    cells = lab_cells(halving_doubling_code=USES_THE_LABS_HELPER)
+    helper = [source for label, source in cells if "its definitions" in label and "def halving_doubling_ranges" in source]
+    assert len(helper) == 1 and "print(" not in helper[0].split("return rows")[-1], helper
+    job = {"verdicts": str(module_path("lab1_collectives")), "task_timeout": 30, "parts": ["halving_doubling"],
+           "cells": cells}
+    for _ in range(2):
+        part = checker.check(job)["parts"]["halving_doubling"]
+        assert part["passed"], part["message"]
+
+
+def test_the_visible_check_accepts_the_helper_reusing_solution():
+    import torch
+    import torch.distributed as dist
+    from utils.labchecks import lab1
+    nb = read_notebook(ROOT / "labs" / "lab1_collectives.ipynb")
+    namespace = {"torch": torch, "dist": dist, "__name__": "lab1_student"}
+    for cell in nb.cells:   # the cells a student's notebook runs before part 3's check, their prints aside
+        if cell.cell_type == "code" and ("def exchange" in cell.source or "def halving_doubling_ranges" in cell.source):
+            exec(compile(cell.source.split("span = lambda")[0], "<lab cell>", "exec"), namespace)
+    exec(compile(USES_THE_LABS_HELPER, "<solution>", "exec"), namespace)
+    lab1.check_halving_doubling(namespace["all_reduce_halving_doubling"], world_sizes=(3, 4), lengths=(7, 10))

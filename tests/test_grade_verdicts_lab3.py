@@ -2,12 +2,15 @@
 
 Each kind of submission is graded twice (the cases' shapes are seeded by the submission, so both gradings meet the
 same ones; the values are fresh each time, and no part is judged on timing) and must earn the same parts both
-times: the reference every part; a split by position (parameter i to rank i mod N) all but
-sharded_state (the contract asks for a size-balanced split); an inner optimizer over every parameter, with the
-gradients of the parameters a rank does not own set to None, all but sharded_state; one that ignores a learning
-rate changed in param_groups mid-run all but param_groups; torch's ZeroRedundancyOptimizer nothing; an optimizer
-that keeps the whole state and never communicates training and param_groups; one that skips the synchronisation
-nothing.
+times. The two correct ones, the reference and flat shards held as plain views (tests/fixtures/lab3_submissions.py),
+earn every part; each wrong one is graded on the parts it breaks (and, where the rubric is the point, on all):
+  - a split by position, a split that counts frozen elements as load (ZeroRedundancyOptimizer's partitioner), an
+    inner optimizer over every parameter with the others' gradients set to None: no sharded_state;
+  - groups added later given to every rank's inner optimizer: no param_groups;
+  - one that ignores a learning rate changed in param_groups mid-run: no param_groups;
+  - an optimizer that keeps the whole state and never communicates: training only (2 of 10);
+  - a sharded optimizer that forgets the synchronisation: sharded_state and param_groups (6 of 10);
+  - torch's ZeroRedundancyOptimizer: nothing.
 """
 import re
 import shutil
@@ -24,6 +27,8 @@ from utils.tools.release import read_notebook
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ["training", "sharded_state", "synchronisation", "param_groups"]
 GRADINGS = 2
+POINTS = {"training": 2, "sharded_state": 4, "synchronisation": 2, "param_groups": 2}
+FLAT = (ROOT / "tests" / "fixtures" / "lab3_submissions.py").read_text()
 
 FULL_STATE = '''class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_cls, **kwargs):
@@ -85,6 +90,14 @@ FULL_INNER = [('self.shard = self.optimizer_cls([{**options, "params": mine}], *
                "        self.shard.step()\n"),
               ("                if p.grad is not None:         # without a gradient it did not change",
                "                if p in had:")]
+COUNTS_FROZEN = ("self.loads[owner] += p.numel() if p.requires_grad else 0   # a frozen parameter has no state",
+                 "self.loads[owner] += p.numel()")
+ADDED_TO_EVERY_RANK = [("        super().__init__(params, kwargs)       # calls self.add_param_group once per group",
+                        "        super().__init__(params, kwargs)       # calls self.add_param_group once per group\n"
+                        "        self.built = True"),
+                       ('self.shard.add_param_group({**options, "params": mine})',
+                        'self.shard.add_param_group({**options, "params": group["params"] if getattr(self, "built", '
+                        'False) else mine})')]
 IGNORES_LR = ('shard_group.update({k: v for k, v in group.items() if k != "params"})   # e.g. a scheduler\'s lr',
               "pass")
 
@@ -103,49 +116,54 @@ def lab_cells(solution=None, skip_sync=False):
         return grade.prepare(nb, lab).cells
 
 
-def judge(cells):
-    job = {"verdicts": str(module_path("lab3_sharded_optimizer")), "task_timeout": 60, "parts": PARTS,
+def judge(cells, parts=PARTS):
+    job = {"verdicts": str(module_path("lab3_sharded_optimizer")), "task_timeout": 60, "parts": list(parts),
            "cells": cells}
     return checker.check(job)["parts"]
 
 
-KINDS = {
-    "reference": (lambda: lab_cells(), set(PARTS), ""),
-    "index split": (lambda: lab_cells(edited(INDEX_SPLIT, INDEX_OWNER)), set(PARTS) - {"sharded_state"},
+KINDS = {   # name: (cells, parts graded, parts earned, what a lost part's message says)
+    "reference": (lambda: lab_cells(), PARTS, set(PARTS), ""),
+    "flat shards, plain views": (lambda: lab_cells(FLAT), PARTS, set(PARTS), ""),
+    "index split": (lambda: lab_cells(edited(INDEX_SPLIT, INDEX_OWNER)), ["sharded_state"], set(),
                     "the split is unbalanced"),
-    "full inner, None gradients": (lambda: lab_cells(edited(*FULL_INNER)), set(PARTS) - {"sharded_state"},
-                                   "hold all"),
-    "ignores a mid-run lr change": (lambda: lab_cells(edited(IGNORES_LR)), set(PARTS) - {"param_groups"},
+    "balance counts frozen elements": (lambda: lab_cells(edited(COUNTS_FROZEN)), ["sharded_state"], set(),
+                                       "the split is unbalanced"),
+    "full inner, None gradients": (lambda: lab_cells(edited(*FULL_INNER)), ["sharded_state"], set(), "hold all"),
+    "added groups on every rank": (lambda: lab_cells(edited(*ADDED_TO_EVERY_RANK)), ["param_groups"], set(),
+                                   "must be shared out too"),
+    "ignores a mid-run lr change": (lambda: lab_cells(edited(IGNORES_LR)), ["param_groups"], set(),
                                     "copy every group's options"),
+    "whole state, no communication": (lambda: lab_cells(FULL_STATE), PARTS, {"training"}, "rank"),
+    "sharded, never synchronised": (lambda: lab_cells(skip_sync=True), PARTS, {"sharded_state", "param_groups"},
+                                    "rank"),
+    "ZeroRedundancyOptimizer": (lambda: lab_cells(ZERO), ["training", "sharded_state"], set(),
+                                "ZeroRedundancyOptimizer"),
 }
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_each_kind_earns_the_same_parts_on_every_grading(kind):
-    make_cells, passing, message = KINDS[kind]
+    make_cells, graded, passing, message = KINDS[kind]
     cells = make_cells()
     earned = []
     for _ in range(GRADINGS):   # the same cases, fresh values each time
-        parts = judge(cells)
-        earned.append({p for p in PARTS if parts[p]["passed"]})
-        for p in set(PARTS) - passing:
+        parts = judge(cells, graded)
+        earned.append({p for p in graded if parts[p]["passed"]})
+        for p in set(graded) - passing:
             assert message in parts[p]["message"], parts[p]["message"]
-    points = {"training": 4, "sharded_state": 2, "synchronisation": 2, "param_groups": 2}
-    print(f"{kind}: points over {GRADINGS} gradings: {[sum(points[p] for p in e) for e in earned]}, "
-          f"parts missed: {[sorted(set(PARTS) - e) for e in earned]}")
+    print(f"{kind}: points over {GRADINGS} gradings (of {sum(POINTS[p] for p in graded)} graded): "
+          f"{[sum(POINTS[p] for p in e) for e in earned]}, parts missed: {[sorted(set(graded) - e) for e in earned]}")
     assert earned == [passing] * GRADINGS, earned
 
 
-@pytest.mark.parametrize("cells, passing", [
-    (lambda: lab_cells(FULL_STATE), {"training", "param_groups"}),
-    (lambda: lab_cells(skip_sync=True), set()),
-    (lambda: lab_cells(ZERO), set()),
-])
-def test_wrong_optimizers_lose_the_parts_they_break(cells, passing):
-    parts = judge(cells())
-    assert {p for p in PARTS if parts[p]["passed"]} == passing, parts
-    if "sharded_state" not in passing:
-        assert "rank" in parts["sharded_state"]["message"]
+def test_the_rubric_follows_sharding_then_synchronisation():
+    """The notebook's points: sharding weighs most, then synchronisation; training is what an unsharded optimizer
+    earns too (INSTRUCTORS.md says why)."""
+    nb = read_notebook(ROOT / "labs" / "lab3_sharded_optimizer.ipynb")
+    points = {c.metadata["nbgrader"]["grade_id"]: c.metadata["nbgrader"]["points"] for c in nb.cells
+              if c.metadata.get("nbgrader", {}).get("grade")}
+    assert points == POINTS, points
 
 
 def test_random_tied_models_tie_equal_widths():

@@ -184,6 +184,59 @@ class RingInTheHook(Wrapper):
         self.in_flight.append((submissions()["ring_all_reduce_blocking"](flat), flat, grads))
 
 
+class WaitsForTheEarlierBucket(Wrapper):
+    """Launches each bucket asynchronously from the hook, but first waits for the bucket before it: backward
+    waits for every bucket but the last, though each handle is first waited for after a later gradient."""
+
+    def launch(self, grads):
+        if self.in_flight:
+            self.in_flight[-1][0].wait()
+        super().launch(grads)
+
+
+class BarrierAfterLaunch(Wrapper):
+    """An asynchronous launch, then dist.barrier() in the hook: on gloo the barrier waits for the all-reduce."""
+
+    def launch(self, grads):
+        super().launch(grads)
+        dist.barrier()
+
+
+class OnePerParameter(Wrapper):
+    """Ignores bucket_size_mb: one asynchronous all-reduce per gradient, launched at once (overlaps fine)."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb)
+        self.cap = 0
+
+
+class OneBucket(Wrapper):
+    """Ignores bucket_size_mb: every gradient in one bucket, launched by the last gradient's hook."""
+
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb)
+        self.cap = float("inf")
+
+
+class DividesByMicroBatches(Wrapper):
+    """Accumulates quietly in no_sync(), then divides by the number of micro-batches too (lesson 04's habit)."""
+    micro = 1
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.micro += 1
+        with super().no_sync():
+            yield
+
+    def launch(self, grads):
+        flat = torch.cat([g.flatten() for g in grads]).div_(dist.get_world_size() * self.micro)
+        self.in_flight.append((dist.all_reduce(flat, async_op=True), flat, grads))
+
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()
+        self.micro = 1
+
+
 class NeverSilent(Wrapper):
     """no_sync() that does nothing: every micro-batch communicates (the gradients still come out right)."""
 
@@ -263,21 +316,29 @@ def test_never_overlapping_wrapper():
     lab2.check_training(NeverOverlaps, world_sizes=(2,), models=(lab2.TIED,))  # right gradients, just late
 
 
+STALLED = r"rank 0, last step: backward was made to wait for communication (\d+) times before its last gradient was ready: "
+
+
 @pytest.mark.parametrize("Blocking, seen", [
-    (BlocksInTheHook, r"5 calls \(141,312 B\) blocking \(dist\.send or dist\.recv, or a collective without "
-                      r"async_op=True.*Your calls: 37,376 B after gradient 5/18 \(blocking\)"),
-    (WaitsInTheHook, r"4 calls \(137,216 B\) waited for before the next gradient was ready \(a wait\(\) right "
-                     r"after the call, in the hook.*Your calls: 37,376 B after gradient 5/18 \(waited before the "
-                     r"next gradient\)"),
-    (FutureWaitInTheHook, r"4 calls \(137,216 B\) waited for before the next gradient"),
-    (WaitAllInTheHook, r"4 calls \(137,216 B\) waited for before the next gradient"),
-    (RingInTheHook, r"\d+ calls \(141,312 B\) blocking.*Your calls: 18,688 B after gradient 5/18 \(blocking\)"),
+    (BlocksInTheHook, r"dist\.all_reduce\(\) without async_op=True after gradient 5/18 \(it returns only once it is "
+                      r"done\)"),
+    (WaitsInTheHook, r"work\.wait\(\) after gradient 5/18 on the handle of a call issued after gradient 5/18 \(right "
+                     r"after the call\)"),
+    (FutureWaitInTheHook, r"future\.wait\(\) after gradient 5/18 on the handle of a call issued after gradient 5/18"),
+    (WaitAllInTheHook, r"future\.wait\(\) after gradient 5/18 on the handle of a call issued after gradient 5/18"),
+    (RingInTheHook, r"a blocking dist\.(send|recv)\(\) after gradient 5/18 \(it returns once its data has moved\)"),
+    (WaitsForTheEarlierBucket, r"work\.wait\(\) after gradient 9/18 on the handle of a call issued after gradient "
+                               r"5/18 \(an earlier bucket's\)"),
+    (BarrierAfterLaunch, r"a blocking dist\.barrier\(\) after gradient 5/18 \(a barrier waits for the other ranks, "
+                         r"and on gloo for every collective issued before it\)"),
 ])
-def test_a_hook_that_blocks_does_not_overlap(Blocking, seen):
-    # Each launches from the hook; a blocking call (recorded after it returned) and a wait() right after an
-    # asynchronous call used to look early (97 %) and earned the overlap points.
-    _fails(r"rank 0, last step: 0 of 141,312 gradient bytes \(0%\) were still in flight.*" + seen,
-           lab2.check_overlap, Blocking, world_sizes=(2,))
+def test_a_hook_that_stalls_backward_does_not_overlap(Blocking, seen):
+    # Each launches from the hook. A blocking call, a wait() right after an asynchronous call, a wait for an earlier
+    # bucket before launching the next (which looked in flight: first waited after a later gradient) and a
+    # barrier after an asynchronous launch each make backward wait: each is seen as what it is.
+    message = _fails(STALLED + seen + r".*Overlap means backward never waits", lab2.check_overlap, Blocking,
+                     world_sizes=(2,))
+    assert "in flight" not in message
 
 
 def test_blocking_hooks_train_right():
@@ -289,6 +350,22 @@ def test_one_tiny_early_bucket_does_not_pass():
     _fails(r"4,096 of 141,312 gradient bytes \(3%\) were still in flight.*"
            r"Your calls: 4,096 B after gradient 1/18 \(waited after gradient 18/18\), 256 B after gradient 18/18",
            lab2.check_overlap, OneTinyEarlyBucket, world_sizes=(2,))
+
+
+@pytest.mark.parametrize("Ignores, says", [
+    (OnePerParameter, r"buckets of 4,194,304 bytes, more than all [\d,]+ bytes of trainable gradients, must give one "
+                      r"all-reduce; seen \d+ all-reduces of"),
+    (OneBucket, r"buckets of 10 bytes, smaller than any of the \d+ trainable gradients, must give one all-reduce per "
+                r"gradient \(\d+\); seen 1 all-reduce of"),
+])
+def test_a_wrapper_that_ignores_the_bucket_size_fails_training(Ignores, says):
+    _fails(r"rank 0, last step: " + says, lab2.check_training, Ignores, world_sizes=(2,), models=(lab2.PLAIN,))
+
+
+def test_dividing_by_the_micro_batches_is_diagnosed():
+    _fails(r"rank 0, step 0, wte\.weight: the expected gradient divided by 3, the number of micro-batches per step: "
+           r"\.grad must hold the SUM", lab2.check_accumulation, DividesByMicroBatches, world_sizes=(2,),
+           models=(lab2.PLAIN,))
 
 
 def test_no_sync_that_sends_fails_accumulation():
@@ -364,7 +441,19 @@ def test_fates_tell_every_way_a_call_can_end():
     results = [dict(events=[events])]
     assert "1 of the 5 calls returned a handle that was never waited for (40 B)" in lab2.judge_waits({}, 2, results)[0]
     problem = lab2.judge_overlap({}, 2, results)[1]
-    assert "Seen: 1 call (10 B) blocking" in problem and "1 call (20 B) waited for before the next" in problem
+    assert "backward was made to wait for communication 2 times" in problem, problem
+    assert "dist.send() after gradient 1/2" in problem and "work.wait() after gradient 1/2 on the handle of a " \
+        "call issued after gradient 1/2 (right after the call)" in problem, problem
+
+
+def test_stalls_are_events_between_the_first_gradient_and_the_last():
+    """Waits and blocking calls before the first gradient (forward) or after the last (finishing) are no stalls;
+    a poll that answered True is no wait."""
+    events = [("comm", "broadcast", 8, 0, -1), ("grad", "a", 0, 0, -1), ("comm", "all_reduce", 8, 0, 0),
+              ("wait", "work.is_completed()", 0, 0, 0), ("grad", "b", 0, 0, -1), ("comm", "all_reduce", 8, 0, 1),
+              ("wait", "work.wait()", 0, 0, 1), ("comm", "barrier", 0, 0, -1)]
+    assert handles.stalls(events) == []
+    assert handles.stalls(events[:4] + [("comm", "barrier", 0, 0, -1)] + events[4:]) == [("barrier", 1, None)]
 
 
 def test_every_way_of_waiting_is_seen():

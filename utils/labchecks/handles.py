@@ -143,6 +143,22 @@ def track(events):
 
 # ------------------------------------------------------------------ reading a step's events back
 
+# The names an event's second field holds, numbered so a trace can travel as integers (`code`, `name`): how a
+# handle was first waited for (a poll that answered True is no wait: nothing blocked), and the calls.
+POLLS = ("work.is_completed()", "future.done()")
+WAITS = ("work.wait()", "future.wait()")
+NAMES = ("",) + WAITS + POLLS + bytecount.POINT_TO_POINT + bytecount.COLLECTIVES + ("batch_isend_irecv",)
+
+
+def code(name) -> int:
+    """The number of an event's name (0: a name not in NAMES)."""
+    return NAMES.index(name) if name in NAMES else 0
+
+
+def name(number) -> str:
+    return NAMES[number] if 0 <= number < len(NAMES) else ""
+
+
 BLOCKING, WAITED_AT_ONCE, AFTER_BACKWARD, NEVER_WAITED, IN_FLIGHT = (
     "blocking", "waited at once", "after backward", "never waited", "in flight")
 
@@ -180,4 +196,31 @@ def fates(events):
         else:
             fate = WAITED_AT_ONCE
         out.append((e[2], fate, before, waited))
+    return out
+
+
+def stalls(events):
+    """[(what, gradients ready before it, the call it waited for)] for each time backward was made to wait for
+    communication in one step's events: a blocking call (one that returned no handle: dist.send/recv, a
+    collective without async_op=True, dist.barrier()), or the first wait for a handle (not a poll that answered
+    True), made after the first gradient was ready and before the last. Waits once the last gradient is ready
+    (in its hook, a final autograd callback, finish_gradient_synchronization()) are how a step ends: not
+    stalls. `the call` is (gradients ready before it) for a wait, None for a blocking call."""
+    grads = [i for i, e in enumerate(events) if e[0] == "grad"]
+    if len(grads) < 2:
+        return []
+    first, last = grads[0], grads[-1]
+    issued, ready, out = {}, 0, []
+    for i, e in enumerate(events):
+        if e[0] == "grad":
+            ready += 1
+            continue
+        if e[0] == "comm" and e[4] >= 0:
+            issued.setdefault(e[4], ready)
+        if not first < i < last:
+            continue
+        if e[0] == "comm" and e[4] < 0:
+            out.append((e[1] or "a call", ready, None))
+        elif e[0] == "wait" and e[1] not in POLLS:
+            out.append((e[1] or "a wait", ready, issued.get(e[4])))
     return out

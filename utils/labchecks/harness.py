@@ -61,11 +61,13 @@ def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TI
             raise LabCheckFailure(
                 f"✗ {what} called {call}, which the checks forbid: implement it with dist.send, dist.recv, "
                 "dist.isend and dist.irecv only (also batched by dist.batch_isend_irecv).") from None
-        if "Tensors must be CUDA" in report:
+        if "Tensors must be CUDA" in report or "No backend type associated with device type cpu" in report:
+            # (the first: NCCL itself; the second: a process group that has NCCL only, torch >= 2.x)
             raise LabCheckFailure(
                 f"✗ {what} at N={world_size} handed a CPU tensor to NCCL, which moves GPU tensors only: "
-                "create every buffer on the input's device (torch.empty_like(tensor), or "
-                "torch.empty(..., device=tensor.device)).\n" + report) from None
+                "create every buffer on the input's device (torch.empty_like(tensor), "
+                "torch.empty(..., device=tensor.device), or for a flat bucket torch.zeros(n, device=p.grad.device) "
+                "or torch.cat of the gradients).\n" + report) from None
         raise LabCheckFailure(f"✗ {what} failed at N={world_size}:\n{report}") from None
 
 

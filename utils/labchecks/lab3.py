@@ -12,10 +12,12 @@ Each check prints one ✓ line per world size, saying what it verified, or raise
 what to fix (rank, parameter, step, expected vs got):
   check_training(ShardedOptimizer)        parameters after every step = the unsharded optimizer's
   check_sharded_state(ShardedOptimizer)   each rank's inner optimizers hold ≤ 1/N of the trainable elements, and
-                                          its state ≤ 1/N of the unsharded, each + the largest parameter's
+                                          its state ≤ 1/N of the unsharded, each + the largest parameter's; each
+                                          trainable element on one rank; every update right on its owner
   check_synchronisation(ShardedOptimizer) one rank's parameters perturbed before a step: identical again after it
   check_param_groups(ShardedOptimizer)    two groups at construction, add_param_group mid-training with its own
-                                          lr, every lr changed in param_groups mid-run, zero_grad()
+                                          lr (shared out too), every lr changed in param_groups mid-run,
+                                          zero_grad(); every update right on its owner
 
 Three layers, so that a grader can judge in a process that runs no student code:
   1. what a rank runs (`run_cases`, student code inside): it returns plain data only (see `run_case`);
@@ -47,12 +49,18 @@ WORLD_SIZES = (2, 4)
 # ------------------------------------------------------------------ 1. what runs on every rank
 
 def _optimizers_in(value, found, depth=3):
-    """Every torch.optim.Optimizer in `value` (itself, or inside lists, tuples, sets and dicts, `depth` deep)."""
+    """Every torch.optim.Optimizer in `value`: itself, or inside lists, tuples, sets and dicts, or an attribute
+    of an object of the student's own (a shard object that keeps its optimizer), `depth` deep."""
     if isinstance(value, torch.optim.Optimizer):
         if all(value is not o for o in found):
             found.append(value)
-    elif depth and isinstance(value, (list, tuple, set, frozenset, dict)):
+    elif not depth or isinstance(value, (torch.Tensor, torch.nn.Module, type, str, bytes)):
+        return found
+    elif isinstance(value, (list, tuple, set, frozenset, dict)):
         for item in (value.values() if isinstance(value, dict) else value):
+            _optimizers_in(item, found, depth - 1)
+    elif isinstance(getattr(value, "__dict__", None), dict):
+        for item in vars(value).values():
             _optimizers_in(item, found, depth - 1)
     return found
 
@@ -65,13 +73,16 @@ def _kept_optimizers(optimizer):
     return optimizers
 
 
-def state_bytes(optimizer):
-    """Bytes of the tensors in `optimizer.state` and in the state of every optimizer it holds as an attribute
-    (directly, or inside lists, tuples and dicts): what this rank keeps as optimizer state."""
-    # Only trainable parameters' state counts, here and in the unsharded reference: some optimizers (Adagrad)
-    # create state for every parameter they are given, frozen ones included, which is no sharding question.
-    tensors = [v for o in _kept_optimizers(optimizer) for param, state in getattr(o, "state", {}).items()
-               if isinstance(state, dict) and getattr(param, "requires_grad", True)
+def state_bytes(optimizer, model):
+    """Bytes of the tensors in `optimizer.state` and in the state of every optimizer it keeps (`_kept_optimizers`):
+    what this rank keeps as optimizer state, whatever its keys are (the model's parameters, or tensors of the
+    student's own such as flat shards, which need not require grad: torch.optim accepts a leaf that does not)."""
+    # The state of the model's frozen parameters (told by identity) does not count, here and in the unsharded
+    # reference: some optimizers (Adagrad) create state for every parameter they are given, frozen ones
+    # included, which is no sharding question.
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    tensors = [v for o in _kept_optimizers(optimizer) for key, state in getattr(o, "state", {}).items()
+               if isinstance(state, dict) and id(key) not in frozen
                for v in state.values() if torch.is_tensor(v)]
     return unique_storage_bytes(tensors)
 
@@ -162,7 +173,7 @@ def run_case(Optimizer, case, inputs, device=None):
             grads_left = max(grads_left, sum(p.grad is not None and bool(p.grad.any())
                                              for name, p in named.items() if name not in pending))
     is_optimizer = isinstance(optimizer, torch.optim.Optimizer)
-    return dict(is_optimizer=is_optimizer, params=params, state_bytes=state_bytes(optimizer),
+    return dict(is_optimizer=is_optimizer, params=params, state_bytes=state_bytes(optimizer, model),
                 held=held_elements(optimizer, model), zero_redundancy=uses_zero_redundancy(optimizer),
                 grads_left=grads_left,
                 group_sizes=[len(g["params"]) for g in optimizer.param_groups] if is_optimizer else [])
@@ -180,7 +191,7 @@ def reference_run(case, inputs):
 
     Returns dict(init={name: tensor} before step 0, params=[{name: tensor} per step], state_bytes=total bytes
     of optimizer state after the last step, largest=`largest_state`, trainable and largest_elements (elements
-    of the trainable parameters, all and the largest one's), group_sizes).
+    of the trainable parameters, all and the largest one's), parameters (how many are trainable), group_sizes).
     """
     model = build_model(case["model"])
     named = dict(model.named_parameters())
@@ -199,6 +210,7 @@ def reference_run(case, inputs):
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     return dict(init=dict(inputs["init"]), params=params, state_bytes=sum(_per_parameter_state(optimizer)),
                 largest=largest_state(case), trainable=sum(trainable), largest_elements=max(trainable, default=0),
+                parameters=len(trainable),
                 group_sizes=[len(g["params"]) for g in optimizer.param_groups])
 
 
@@ -258,8 +270,10 @@ def check_training(Optimizer, world_sizes=WORLD_SIZES, models=MODELS, optimizers
 
 def check_sharded_state(Optimizer, world_sizes=WORLD_SIZES, models=(DEEP, UNEVEN), optimizers=OPTIMIZERS,
                         steps=2, timeout=TIMEOUT, seed=0):
-    """Each rank's inner optimizers hold ≤ 1/N of the trainable elements + the largest parameter's, and its
-    optimizer state is ≤ 1/N of the unsharded optimizer's + the state of its largest parameter."""
+    """Each rank's inner optimizers hold ≤ 1/N of the trainable elements + the largest parameter's (frozen ones
+    are no load), together each trainable element once, and its optimizer state is ≤ 1/N of the unsharded
+    optimizer's + the state of its largest parameter; every parameter updated right on the rank that owns it
+    (the synchronisation is check_synchronisation's)."""
     cases = [make_case(m, o, steps=steps, seed=seed + i) for i, (m, o) in
              enumerate((m, o) for o in optimizers for m in models)]
     for n in world_sizes:
@@ -267,7 +281,7 @@ def check_sharded_state(Optimizer, world_sizes=WORLD_SIZES, models=(DEEP, UNEVEN
         shares = []
         for case, case_inputs, case_results in zip(cases, inputs, results):
             reference = reference_run(case, case_inputs)
-            report(_what(case), n, judge_training(case, n, case_results, reference))
+            report(_what(case), n, judge_training(case, n, case_results, reference, anywhere=True))
             report(_what(case) + ", optimizer state", n, judge_state(case, n, case_results, reference))
             held = [r["state_bytes"] for r in case_results]
             rank = max(range(n), key=held.__getitem__)
@@ -306,7 +320,7 @@ def check_param_groups(Optimizer, world_sizes=WORLD_SIZES, models=(PLAIN, TIED),
         for case, case_inputs, case_results in zip(cases, inputs, results):
             reference = reference_run(case, case_inputs)
             what = _what(case) + f", {group['names']} added before step {group['step']}"
-            report(what, n, judge_training(case, n, case_results, reference))
+            report(what, n, judge_training(case, n, case_results, reference, anywhere=True))
             report(what, n, judge_groups(case, n, case_results, reference))
         options = ", ".join(f"{k}={v}" for k, v in group["options"].items())
         check(True, f"param groups at N={n}: built with 2 groups (matrices with weight decay, vectors without), "

@@ -60,9 +60,11 @@ def _not_allowed(results):
     return []
 
 
-def judge_training(case, world_size, results, reference, steps=None):
+def judge_training(case, world_size, results, reference, steps=None, anywhere=False):
     """Problems with the parameters after each step (all steps, or the first `steps`), rank by rank.
 
+    anywhere: a parameter passes when SOME rank holds the right value (its owner's update is right), so a part
+    that judges the shard's update (sharded state, param groups) does not also judge the synchronisation.
     Stops at the first step with a wrong parameter (later steps start from wrong values).
     """
     problems = _not_allowed(results)
@@ -75,10 +77,13 @@ def judge_training(case, world_size, results, reference, steps=None):
         stale = {name for name in want_step if all(
             isinstance(r["params"][step].get(name), torch.Tensor) and torch.equal(r["params"][step][name], before[name])
             for r in results)}   # no rank holds a new value
+        right = {name for name, want in want_step.items() if anywhere and any(
+            isinstance(r["params"][step].get(name), torch.Tensor) and close(r["params"][step][name], want)
+            for r in results)}
         for rank, r in enumerate(results):
             for name, want in want_step.items():
                 got = r["params"][step].get(name)
-                if got is not None and close(got, want):
+                if name in right or (got is not None and close(got, want)):
                     continue
                 problems.append(f"rank {rank}, step {step}, {label(spec, name)}: "
                                 f"{_diagnose(got, want, before[name], step, nobody=name in stale)}")
@@ -103,9 +108,10 @@ def held_bound(reference, world_size):
     return reference["trainable"] / world_size + reference["largest_elements"]
 
 
-def _held_problem(rank, held, world_size, reference):
+def _held_problem(rank, held, world_size, reference, together):
+    """What is wrong with one rank holding `held` trainable elements (`together`: all ranks' sum)."""
     total, bound = reference["trainable"], held_bound(reference, world_size)
-    if held >= total:
+    if held >= total and together > total + world_size * reference["parameters"]:
         return (f"rank {rank}: the optimizers your class keeps hold all {total:,} trainable elements in their "
                 f"param_groups (at most {bound:,.0f} allowed: 1/{world_size} + the largest parameter's "
                 f"{reference['largest_elements']:,}). An inner optimizer over every parameter is not sharded, even "
@@ -114,16 +120,19 @@ def _held_problem(rank, held, world_size, reference):
     return (f"rank {rank}: the split is unbalanced: this rank's inner optimizer holds {held:,} of the {total:,} "
             f"trainable elements ({held / total:.0%}), more than 1/{world_size} ({total / world_size:,.0f}) + the "
             f"largest parameter ({reference['largest_elements']:,}) = {bound:,.0f}. A split by position "
-            "(parameter i to rank i mod N) gives tensors N positions apart to one rank: balance by size instead, "
-            "e.g. take the parameters largest first and give each to the rank with the fewest trainable elements "
-            "so far (every rank computing the same split)")
+            "(parameter i to rank i mod N) gives tensors N positions apart to one rank, and a split that counts "
+            "frozen parameters as load gives a rank with a large frozen tensor too few trainable ones: balance by "
+            "trainable size instead, e.g. take the parameters largest first and give each to the rank with the "
+            "fewest trainable elements so far (a frozen parameter is no load; every rank computing the same split)")
 
 
 def judge_state(case, world_size, results, reference):
     """Problems with what each rank's optimizers hold: the elements of its inner optimizers' parameters
     (`held`) and the bytes of its optimizer state (`state_bytes`), one rank dict each."""
-    problems = [_held_problem(rank, r["held"], world_size, reference) for rank, r in enumerate(results)
-                if r["held"] > held_bound(reference, world_size)]
+    together = sum(r["held"] for r in results)
+    problems = [_held_problem(rank, r["held"], world_size, reference, together) for rank, r in enumerate(results)
+                if r["held"] > held_bound(reference, world_size)] or judge_shared_out(case, world_size, results,
+                                                                                       reference)
     if problems:
         return problems
     bound, total = state_bound(reference, world_size), reference["state_bytes"]
@@ -168,9 +177,26 @@ def judge_synchronisation(case, world_size, results, reference):
     return problems
 
 
+def judge_shared_out(case, world_size, results, reference):
+    """Problems with parameters held by several ranks' inner optimizers: together the ranks may hold each
+    trainable element once (a flat layout's padding aside: up to N − 1 elements per parameter), also after
+    add_param_group, whose new group is shared out like the others."""
+    held, total = sum(r["held"] for r in results), reference["trainable"]
+    slack = world_size * reference["parameters"]
+    if held <= total + slack:
+        return []
+    added = (case.get("add_group") or {}).get("names")
+    also = (f" The parameters added with add_param_group ({', '.join(added)}) must be shared out too: give each "
+            "to one rank's inner optimizer (every rank makes the same choice), not to every rank's") if added else ""
+    return [f"the ranks' inner optimizers hold {held:,} trainable elements together, {held - total:,} more than "
+            f"the model's {total:,}: some parameters are in the inner optimizers of several ranks, so their "
+            f"state is kept several times.{also} (Per rank: {', '.join(format(r['held'], ',') for r in results)}.)"]
+
+
 def judge_groups(case, world_size, results, reference):
-    """Problems with param_groups: one group per group given (at construction or by add_param_group), and
-    zero_grad() clearing every parameter's gradient."""
+    """Problems with param_groups: one group per group given (at construction or by add_param_group), each
+    trainable element in one rank's inner optimizers only (`judge_shared_out`), and zero_grad() clearing every
+    parameter's gradient."""
     want = reference["group_sizes"]
     for rank, r in enumerate(results):
         if r["group_sizes"] != want:
@@ -181,4 +207,4 @@ def judge_groups(case, world_size, results, reference):
             return [f"rank {rank}: after optimizer.zero_grad(), {r['grads_left']} parameters still hold a nonzero "
                     ".grad: zero_grad() must clear every parameter's gradient, not only this rank's shard's (the "
                     "base class's zero_grad does, when param_groups lists every parameter)"]
-    return []
+    return judge_shared_out(case, world_size, results, reference)

@@ -62,10 +62,20 @@ def print_parts(labs: dict) -> None:
             where = "in one process" if isinstance(spec, InProcess) else \
                 f"on {', '.join(map(str, spec.world_sizes))} ranks"
             print(f"    {grade_id:<28} {num(points):>4}   {spec.what}, {where}")
-        cells = [label.strip("<>").removeprefix("lab cell ") for label, _ in prepare(lab.nb, lab).cells
-                 if label.startswith("<lab cell")]
-        print(f"  verdicts run the lab's cells {', '.join(cells) or '(none)'} (imports and definitions), then the "
-              "solution cells")
+        print(f"  verdicts run, from the lab's cells by cell id (each cell's \"id\" in the notebook file): "
+              f"{', '.join(verdict_cells(lab)) or '(none)'}, then the solution cells")
+
+
+def verdict_cells(lab) -> list:
+    """The lab's cells the verdicts run, by cell id: 'a0c9d43b' (the whole cell: imports and definitions) or
+    'a0c9d43b (definitions)' (a cell that also prints or launches: only its definitions)."""
+    out = []
+    for label, _ in prepare(lab.nb, lab).cells:
+        if label.startswith("<lab cell "):
+            number, _, rest = label.strip("<>").removeprefix("lab cell ").partition(",")
+            cell = lab.nb.cells[int(number) - 1]
+            out.append(f"{cell.get('id') or 'cell ' + number}{' (definitions)' if rest else ''}")
+    return out
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import nbformat
 
 from ..release import clear_notebook_run, clear_run, is_solution_cell, nbgrader_meta, student_source, without_links
-from .submissions import Lab, is_definition_cell
+from .submissions import Lab, definitions_in, is_definition_cell
 
 
 @dataclass
@@ -120,6 +120,8 @@ def prepare(submitted, lab: Lab) -> Prepared:
                 notes.append(f"cell '{grade_id}' differed from the lab's; the lab's version was run")
             if is_definition_cell(original):
                 verdict_cells.append((f"<lab cell {index + 1}>", cell.source))
+            elif definitions_in(original):   # a cell that also prints or launches: its definitions only
+                verdict_cells.append((f"<lab cell {index + 1}, its definitions>", definitions_in(original)))
         cells.append(cell)
         cells.extend(after.get(index, []))
     if own_code:

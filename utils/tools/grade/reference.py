@@ -48,14 +48,14 @@ def lab1_expected(kind, key):
 
 def lab1_expected_tables(cases):
     """({(n, nbytes, alpha, beta): (ring time, halving-doubling time)}, {(n, alpha, beta): crossover}) for cases:
-    what lab1.py stores for its fixed cases."""
+    what lab1_cost.py stores for its fixed cases."""
     times = {tuple(c): (lab1_ring_time(*c), lab1_halving_doubling_time(*c)) for c in cases}
     crossings = {(n, a, b): lab1_crossover(n, a, b) for n, _, a, b in cases}
     return times, crossings
 
 
 def lab1_tables_source(cases) -> str:
-    """The Python text of lab1.py's stored tables (`python -m utils.tools.grade.reference` prints it)."""
+    """The Python text of lab1_cost.py's stored tables (`python -m utils.tools.grade.reference` prints it)."""
     times, crossings = lab1_expected_tables(cases)
     def number(x):
         return "math.inf" if x == math.inf else repr(x)

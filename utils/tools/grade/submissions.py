@@ -76,6 +76,42 @@ def is_definition_cell(cell) -> bool:
     return True
 
 
+
+def _defines(node) -> bool:
+    """An import, a def or class, or an assignment of a constant: what a verdict may run of a lab cell."""
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return True
+    if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+        try:
+            ast.literal_eval(node.value)
+            return True
+        except Exception:  # not a constant
+            return False
+    return False
+
+
+def definitions_in(cell) -> str:
+    """The definitions (imports, functions, classes, constants) of a lab cell that also does other things
+    (prints, launches, plots), taken out by its syntax tree: what a student's solution may call once the
+    notebook ran that cell (lab 1's `halving_doubling_ranges`), so verdicts provide it too without running the
+    cell. "" for a solution, test or definition cell (those run whole, or not at all) and for a cell without
+    any."""
+    if cell.get("cell_type") != "code" or is_solution_cell(cell) or is_graded_test_cell(cell) \
+            or is_definition_cell(cell):
+        return ""
+    source = release.student_source(cell)
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # e.g. IPython magics
+        return ""
+    lines = source.splitlines()
+    pieces = []
+    for node in tree.body:
+        if _defines(node):
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            pieces.append("\n".join(lines[first - 1:node.end_lineno]))
+    return "\n\n".join(pieces)
+
 LIMIT_NAMES = ("timeout", "cell_timeout", "verdict_timeout")
 
 

@@ -2,9 +2,11 @@
 
     construction  Wrapper(...) leaves rank 0's parameters and buffers on every rank, `.module`, forward, N = 2, 3, 4
     training      gradients after every step and parameters after the last = one process on the whole batch;
-                  every trainable gradient sent once per step; every handle waited for; N = 2, 3, 4
-    overlap       at least half of the last step's gradient bytes still in flight when a later gradient becomes
-                  ready, every handle waited for (training right too)
+                  every trainable gradient sent once per step, in buckets within the cap; every handle waited
+                  for; N = 2, 3, 4
+    overlap       backward never made to wait for communication (no wait, barrier or blocking call from a
+                  gradient hook before the last gradient), at least half of the last step's gradient bytes still
+                  in flight when a later gradient becomes ready, every handle waited for (training right too)
     accumulation  no_sync(): nothing sent on the first k−1 micro-batches; then the average of the accumulated
                   gradients, every trainable gradient sent once
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from utils.labchecks import lab2
+from utils.labchecks import handles, lab2
 
 from utils.tools.grade.verdicts import Case, OnRanks, function, unpredictable_integers
 
@@ -111,7 +113,7 @@ def run_wrapper(namespace, params, inputs):
 
     outputs: [state values, state sizes, gradient values (steps × elements), gradient sizes (steps × entries),
     parameter values, parameter sizes, the wrapper's forward output, the module's, trace (events × [step, kind,
-    bytes, handle])]; measured: module_ok, the nominal bytes sent per step, and per micro-batch run inside
+    bytes, handle, what: handles.code of the call's or the wait's name])]; measured: module_ok, the nominal bytes sent per step, and per micro-batch run inside
     no_sync() its bytes and calls."""
     Wrapper = function(namespace, "DDPBucketed")
     case = params
@@ -129,10 +131,10 @@ def run_wrapper(namespace, params, inputs):
         wrapped = type(f"Tensor of shape {tuple(wrapped.shape)}"[:80], (), {})()
     else:
         wrapped = wrapped.to(torch.float32)
-    trace = [(step, KINDS[event[0]], int(event[2]), int(event[4]))
+    trace = [(step, KINDS[event[0]], int(event[2]), int(event[4]), handles.code(event[1]))
              for step, events in enumerate(result["events"]) for event in events]
     outputs = [*state, grad_values, grad_sizes, *_pack(result["params"], parameters), wrapped,
-               plain.to(torch.float32), torch.tensor(trace, dtype=torch.int64).reshape(-1, 4)]
+               plain.to(torch.float32), torch.tensor(trace, dtype=torch.int64).reshape(-1, 5)]
     measured = {"module_ok": int(bool(result["module_ok"]))}
     measured.update({f"bytes {step}": result["bytes"][step] for step in range(min(steps, len(result["bytes"])))})
     for step, quiet in enumerate(result["quiet"]):
@@ -262,11 +264,11 @@ def _rank_results(case, results):
         wrapped = v[6] if isinstance(v[6], torch.Tensor) else f"a {v[6]}"
         plain = v[7] if isinstance(v[7], torch.Tensor) and v[7].numel() == 1 else torch.tensor(float("nan"))
         events = [[] for _ in range(steps)]
-        if isinstance(v[8], torch.Tensor) and v[8].dtype == torch.int64 and v[8].dim() == 2 and v[8].shape[1] == 4:
+        if isinstance(v[8], torch.Tensor) and v[8].dtype == torch.int64 and v[8].dim() == 2 and v[8].shape[1] == 5:
             names = {GRAD: "grad", COMM: "comm", WAIT: "wait"}
-            for step, kind, sent, handle in v[8].tolist():
+            for step, kind, sent, handle, what in v[8].tolist():
                 if 0 <= step < steps and kind in names:   # any other kind is malformed: left out
-                    events[step].append((names[kind], "", sent if kind == COMM else 0, 0.0, handle))
+                    events[step].append((names[kind], handles.name(what), sent if kind == COMM else 0, 0.0, handle))
         k = lab2.micro_batches(case.params)
         quiet = [[(r.measured.get(f"quiet bytes {s} {j}", -1), r.measured.get(f"quiet calls {s} {j}", -1))
                   for j in range(k - 1)] for s in range(steps)]     # absent: −1, judged as sent
@@ -290,7 +292,10 @@ def _problems(kind, n, case, results):
         return problems
     if kind == "overlap":
         return lab2.judge_overlap(case.params, n, ranks)
-    return lab2.judge_traffic(case.params, n, ranks) or lab2.judge_waits(case.params, n, ranks)
+    problems = lab2.judge_traffic(case.params, n, ranks) or lab2.judge_waits(case.params, n, ranks)
+    if kind == "training" and not problems:
+        problems = lab2.judge_buckets(case.params, n, ranks)
+    return problems
 
 
 def _judge(kind):
@@ -311,8 +316,12 @@ PARTS = {
                         f"batch (rtol {lab2.RTOL:.0e}) on every rank, N = 2, 3, 4, random plain, frozen, tied and "
                         "tied+frozen models and one whose layers run out of definition order, buckets smaller than "
                         "any parameter, medium and larger than the model; every trainable gradient sent once per "
-                        "step, every handle waited for"),
+                        "step, in buckets within the cap (one all-reduce per gradient at a cap smaller than any, "
+                        "one at a cap larger than the model, none over the cap by more than one gradient), every "
+                        "handle waited for"),
     "overlap": OnRanks(run_wrapper, WORLD_SIZES, _overlap_cases, _judge("overlap"), _WHAT,
+                       "backward never made to wait for communication (no wait, barrier or blocking call from a "
+                       "gradient hook before the last gradient is ready), "
                        f"at least {lab2.EARLY_SHARE:.0%} of the last step's gradient bytes still in flight when a "
                        "later gradient becomes ready, on every rank, every handle waited for, and the training "
                        "right, N = 2, 3, 4, random models of equal layers with buckets of about two layers"),

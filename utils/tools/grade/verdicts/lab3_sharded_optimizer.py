@@ -2,10 +2,16 @@
 
     training         parameters after every step = the unsharded optimizer's, N = 2, 3, 4
     sharded_state    each rank's inner optimizers hold ≤ 1/N of the trainable elements + the largest parameter's,
-                     and its optimizer state ≤ 1/N of the unsharded + the largest parameter's (and right values)
+                     and its optimizer state ≤ 1/N of the unsharded + the largest parameter's; each trainable
+                     element in one rank's inner optimizers; every update right on some rank (its owner's)
     synchronisation  a rank's parameters perturbed before a step: every rank identical, byte for byte, after it
-    param_groups     two groups at construction, add_param_group mid-training with options of its own, every lr
-                     changed in param_groups mid-run, zero_grad(): parameters = the unsharded optimizer's
+    param_groups     two groups at construction, add_param_group mid-training with options of its own (shared
+                     out), every lr changed in param_groups mid-run, zero_grad(): every update right on its owner
+
+The points follow what the lab teaches (INSTRUCTORS.md says why): sharding (sharded_state, 4) before
+synchronisation (2); training (2), which every rank right after every step needs, is what even an unsharded
+optimizer earns. sharded_state and param_groups judge each parameter on the rank that updated it, so a forgotten
+synchronisation costs synchronisation and training only.
 
 Each world size gets fresh cases: a model drawn from the checker's rng (widths, vocabulary, tied or not, which
 parameters are frozen or get no gradient) and an optimizer class with options drawn from a list broader than the
@@ -147,10 +153,11 @@ def _synchronisation_cases(n, rng):
 
 
 def _group_cases(n, rng):
-    # A fixed case in every grading: two groups at construction, wte.weight added before step 2, every lr halved
-    # before step 4, zero_grad() after every step; then a random model with a random group, change and steps.
+    # A fixed case in every grading, the notebook's: two groups at construction, wte.weight added before step 3,
+    # every lr halved before step 4, zero_grad() after every step (a group added to every rank's inner optimizer
+    # holds wte.weight N times: judge_shared_out); then a random model with a random group, change and steps.
     fixed = _case(n, rng, "plain", steps=6, optimizer=OPTIMIZERS[0], spec=lab3.PLAIN, groups=True,
-                  add_group=dict(names=["wte.weight"], step=2, options=dict(lr=2e-2)), change=dict(step=4, factor=0.5))
+                  add_group=dict(lab3.GROUP), change=dict(lab3.LR_CHANGE))
     return [fixed, _case(n, rng, "random", steps=6, add_group=True, groups=rng.random() < 0.5)]
 
 
@@ -184,7 +191,9 @@ def _judge(kind):
         params = case.params
         if kind == "synchronisation":
             return lab3.judge_synchronisation(params, n, ranks, reference)
-        problems = lab3.judge_training(params, n, ranks, reference)
+        # training judges every rank; sharded_state and param_groups the shard's update (some rank right), so
+        # that a forgotten synchronisation costs the parts that need it, not these
+        problems = lab3.judge_training(params, n, ranks, reference, anywhere=kind != "training")
         if problems:
             return problems
         if kind == "sharded_state":
@@ -203,15 +212,17 @@ PARTS = {
                         "random values"),
     "sharded_state": OnRanks(run_optimizer, WORLD_SIZES, _state_cases, _judge("sharded_state"), _WHAT,
                              "each rank's inner optimizers hold at most 1/N of the trainable elements plus the "
-                             "largest parameter's, and its optimizer state at most 1/N of the unsharded plus the "
-                             "largest parameter's, N = 2, 3, 4, lab 3's uneven and deep models (AdamW, Adagrad) "
-                             "and a random one"),
+                             "largest parameter's (frozen ones are no load), each trainable element on one rank, "
+                             "and its optimizer state at most 1/N of the unsharded plus the largest parameter's; "
+                             "every update right on the rank that owns it; N = 2, 3, 4, lab 3's uneven and deep "
+                             "(a large frozen embedding) models (AdamW, Adagrad) and a random one"),
     "synchronisation": OnRanks(run_optimizer, WORLD_SIZES, _synchronisation_cases, _judge("synchronisation"), _WHAT,
                                "a rank perturbed before a step holds every other rank's parameters, byte for byte, "
                                "after it, N = 2, 3, 4"),
     "param_groups": OnRanks(run_optimizer, WORLD_SIZES, _group_cases, _judge("param_groups"), _WHAT,
-                            "two groups at construction, add_param_group mid-training with its own learning rate, "
-                            "every lr changed in param_groups mid-run, zero_grad() after every step: parameters = "
-                            "the unsharded optimizer's, param_groups lists every group, zero_grad() clears every "
-                            "gradient, N = 2, 3, 4"),
+                            "two groups at construction, add_param_group mid-training with its own learning rate "
+                            "(shared out: each trainable element in one rank's inner optimizers), every lr changed "
+                            "in param_groups mid-run, zero_grad() after every step: every update right on the rank "
+                            "that owns it, param_groups lists every group, zero_grad() clears every gradient, "
+                            "N = 2, 3, 4"),
 }
