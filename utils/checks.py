@@ -39,3 +39,15 @@ def check_close(actual, expected, tol: float, claim: str) -> float:
     diff = max_abs_diff(actual, expected)
     check(diff <= tol, f"{claim} (tolerance {tol:g})", f"max |diff| = {diff:.3g} > {tol:g}")
     return diff
+
+
+def formula_check(condition, claim: str, detail: str = "") -> None:
+    """Print `formula check: claim` if `condition` holds, else raise AssertionError('✗ formula check: …').
+
+    For arithmetic identities, and for a model or a simulation compared with its own algebra: no run could
+    refute them, so they print no ✓ and do not read like evidence. Keep `check` (✓) for claims a run could
+    have refuted.
+    """
+    if not condition:
+        raise AssertionError(f"✗ formula check: {claim}" + (f": {detail}" if detail else ""))
+    print(f"formula check: {claim}")
