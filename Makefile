@@ -18,7 +18,7 @@ COMPAT_ENV = $(COMPAT_ROOT)/$(shell printf '%s' '$(TORCH_SPEC)' | tr -cs 'A-Za-z
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lab book release distribution grade regrade benchmarks compat compat-ends clean
+.PHONY: install run test test-portable gpu-check lab book release distribution grade regrade benchmarks compat compat-ends clean
 
 install: $(STAMP)
 
@@ -39,6 +39,21 @@ test: install
 	$(PY) -m pytest tests lessons labs --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300 -q \
 		-n $(TEST_WORKERS) --dist loadfile
+
+# Strict nbval of every notebook again on other CPU code paths: the scalar one and AVX2 (skipped with a line where
+# the CPU lacks it). The stored outputs come from one CPU; a compared output that depends on the CPU's instruction
+# set fails here. utils/tools/portable.py sets ATen's, MKL's and oneDNN's instruction sets and checks each took.
+# ARM's NEON path cannot be chosen on x86 (README, "Outputs on every CPU").
+PORTABLE_PATHS ?= scalar avx2
+test-portable: install
+	$(PY) -m utils.tools.portable $(PORTABLE_PATHS) -- -n $(TEST_WORKERS) --dist loadfile
+
+# On a machine with CUDA: every lesson and lab headless in each configuration a student meets (one GPU as on Colab;
+# one rank on NCCL; one GPU per rank where there are enough), as utils/tools/gpu_configs.json lists them; a line per
+# notebook and configuration, and the GPU figures they printed, in build/gpu-check/report.txt. Without CUDA: one
+# line, exit 1. A CUDA torch: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126" gpu-check
+gpu-check: install
+	$(PY) -m utils.tools.gpu_check $(GPU_CHECK_ARGS)
 
 # JupyterLab at lesson 00 with the course's kernel: JUPYTER_PATH puts this environment's kernelspecs
 # (python3 = this .venv's Python, the kernel every notebook names) before any the user installed.

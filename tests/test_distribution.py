@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
@@ -183,6 +184,34 @@ def test_the_students_commands(dist):
                            timeout=60)
     assert usage.returncode == 2 and "python3 course.py check" in usage.stderr
     assert not (dist / ".venv").exists(), "a usage error sets nothing up"
+
+
+def test_a_torch_that_cannot_be_installed_says_where_else_to_get_it(dist, monkeypatch, capsys):
+    """pip seeing PyPI only fails on PyTorch's index: the message names the variables that choose another source."""
+    course = load_course_py(dist)
+    monkeypatch.setattr(course.venv, "create", lambda *a, **k: None)
+    monkeypatch.delenv("TORCH_SPEC", raising=False)
+
+    def pip(*args):
+        raise subprocess.CalledProcessError(1, ["pip", "install", *args])
+    monkeypatch.setattr(course, "pip", pip)
+    assert course.main([]) == 1
+    err = capsys.readouterr().err
+    assert f'TORCH_SPEC="torch=={course.TORCH_VERSION}" python3 course.py' in err and 'PIP_OPTIONS="--proxy' in err
+    assert "about 6 GB installed" in err and "fix what pip said above" in err
+    assert not (dist / ".venv" / ".course-installed").exists()
+
+
+def test_jupyterlab_options_pass_through_and_check_runs_every_part(dist, monkeypatch):
+    course = load_course_py(dist)
+    monkeypatch.setattr(course, "set_up", lambda: None)
+    calls = []
+    monkeypatch.setattr(course.subprocess, "run",
+                        lambda command, **kwargs: calls.append(command) or SimpleNamespace(returncode=0))
+    assert course.main(["--allow-root", "--no-browser"]) == 0
+    assert calls[-1][-3:] == ["lessons/00_launching.ipynb", "--allow-root", "--no-browser"]
+    assert course.main(["check", "labs/lab1_collectives.ipynb"]) == 0 and "--keep-going" in calls[-1]
+    assert course.main(["lessons"]) == 2 and len(calls) == 2   # neither `check` nor an option: usage
 
 
 def test_a_rewritten_repository_url_in_a_locked_cell_is_not_a_change():

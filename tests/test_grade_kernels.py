@@ -51,7 +51,7 @@ def test_make_run_uses_ipc_kernels():
         done = subprocess.run([sys.executable, "-m", "utils.tools.run", lessons, "--out", Path(folder) / "build"],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "1 of 1 notebooks ran" in done.stdout
+        assert "1 notebook executed: 1 without an error, 0 with one" in done.stdout
         assert "without encryption" not in done.stderr + done.stdout
         assert sorted(p.name for p in lessons.iterdir()) == ["tiny.ipynb"]
 
@@ -90,7 +90,7 @@ def test_make_run_keeps_the_console_to_its_summary_lines():
                                                           "tiny.ipynb"]
         assert lines[2].split() == ["FAILED:", "PapermillExecutionError:", "ValueError:", "on", "purpose"]
         assert lines[3].split() == ["the", "kernel's", "own", "output:", str(build / "lessons" / "b_failing.kernel.log")]
-        assert lines[5:] == ["", f"2 of 3 notebooks ran; summary in {build / 'summary.csv'}"], done.stdout
+        assert lines[5:] == ["", f"3 notebooks executed: 2 without an error, 1 with one; summary in {build / 'summary.csv'}"], done.stdout
         assert done.stderr == "failed: b_failing.ipynb\n"
         for name in ("a_noisy", "b_failing"):
             log = (build / "lessons" / f"{name}.kernel.log").read_text()
@@ -109,5 +109,30 @@ def test_make_run_takes_single_notebooks():
         noisy_notebook(labs / "other.ipynb")
         done = subprocess.run([sys.executable, "-m", "utils.tools.run", path, "--out", Path(folder) / "build"],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0 and "1 of 1 notebooks ran" in done.stdout, done.stdout + done.stderr
+        assert done.returncode == 0 and "1 notebook executed: 1 without an error" in done.stdout, \
+            done.stdout + done.stderr
         assert sorted(p.name for p in (Path(folder) / "build" / "labs").iterdir()) == ["tiny.ipynb"]
+
+
+def test_keep_going_reports_every_graded_check_of_a_lab():
+    """course.py check runs a lab with --keep-going: a failing part does not hide the verdicts of the parts after it,
+    and a notebook that ran and failed is not counted as one that did not run."""
+    with tempfile.TemporaryDirectory(prefix="test-kernels-") as folder:
+        labs = Path(folder) / "labs"
+        labs.mkdir()
+        cells = []
+        for part, source in [("first", "print('✓ first')"), ("second", "raise AssertionError('✗ second: got 3')"),
+                             ("third", "print('✓ third')")]:
+            cell = nbformat.v4.new_code_cell(source)
+            cell.metadata["nbgrader"] = {"grade": True, "grade_id": part, "points": 1}
+            cells.append(cell)
+        nb = nbformat.v4.new_notebook(cells=cells)
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nbformat.write(nb, str(labs / "lab.ipynb"))
+        done = subprocess.run([sys.executable, "-m", "utils.tools.run", labs / "lab.ipynb", "--keep-going",
+                               "--out", Path(folder) / "build"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1, done.stdout + done.stderr
+        lines = [line.strip() for line in done.stdout.splitlines()]
+        assert "FAILED: 1 of 3 checks did not pass (second)" in lines[0], done.stdout
+        assert lines[1:4] == ["✓ first", "✗ second: AssertionError: ✗ second: got 3", "✓ third"], done.stdout
+        assert "1 notebook executed: 0 without an error, 1 with one" in done.stdout

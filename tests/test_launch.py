@@ -386,6 +386,77 @@ def test_two_launches_at_once_never_collide(tmp_path):
         assert proc.returncode == 0 and out.strip() == "ok", err
 
 
+# ------------------------------------------------------------------ a stopped rank; a replaced rank
+
+def test_process_state_tells_a_stopped_process():
+    from utils import reports
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        for _ in range(100):                      # the kernel stops it at once; allow a moment
+            if reports.process_state(proc.pid) == "T":
+                break
+            time.sleep(0.01)
+        assert reports.stopped_reason(proc.pid).startswith("stopped")
+        os.kill(proc.pid, signal.SIGCONT)
+        assert reports.process_state(proc.pid) in ("S", "R") and not reports.stopped_reason(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert reports.process_state(proc.pid) == "" and reports.stopped_reason(proc.pid) == ""
+
+
+def stop_rank_1():
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(4))
+
+
+def test_group_timeout_ends_the_wait_and_the_report_names_the_stopped_rank():
+    start = time.monotonic()
+    with pytest.raises(utils.LaunchError) as caught:
+        utils.launch(stop_rank_1, world_size=3, group_timeout=1.5, timeout=120)
+    report = str(caught.value)
+    assert report.startswith("rank 1 is stopped (SIGSTOP"), report
+    assert "rank 0 failed while it waited: RuntimeError" in report and "rank 2 failed while it waited" in report
+    assert time.monotonic() - start < 100, "the group's timeout, not the launch's, ended the wait"
+
+
+def replaced_rank_1(steps):
+    from utils import replacement
+    rank, generation = int(os.environ["RANK"]), replacement.generation()
+    group = replacement.group(generation, timeout=30)
+    total = torch.zeros(1)
+    step = 0
+    if generation:
+        step_and_total = torch.zeros(2)
+        group.broadcast(step_and_total, 0)
+        step, total = int(step_and_total[0]), step_and_total[1:]
+    while step < steps:
+        if rank == 1 and step == 2 and generation == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        contribution = torch.ones(1) * (rank + 1)
+        try:
+            group.all_reduce(contribution)
+        except RuntimeError:
+            group.tear_down()
+            generation += 1
+            group = replacement.group(generation, timeout=30)
+            group.broadcast(torch.cat([torch.tensor([float(step)]), total]), 0)
+            continue
+        total += contribution
+        step += 1
+    return generation, total.item()
+
+
+def test_a_dead_rank_is_replaced_and_filled_from_a_survivor(capsys):
+    results = utils.launch(replaced_rank_1, 4, world_size=3, replace=1, timeout=120)
+    assert results == [(1, 24.0)] * 3, results      # 4 steps of 1 + 2 + 3, every rank, the newcomer too
+    assert "rank 1 was killed by signal SIGKILL; the launcher started a replacement process for rank 1" in \
+        capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ arguments
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -394,6 +465,8 @@ def test_two_launches_at_once_never_collide(tmp_path):
     (dict(backend="mpi"), "unknown backend 'mpi'"),
     (dict(timeout=-1), "timeout must be a positive number"),
     (dict(threads=0), "threads must be a positive integer"),
+    (dict(group_timeout=0), "group_timeout must be a positive number"),
+    (dict(replace=-1), "replace must be a whole number"),
 ])
 def test_bad_arguments_raise_before_anything_starts(kwargs, words):
     start = time.monotonic()

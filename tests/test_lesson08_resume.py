@@ -13,7 +13,7 @@ import utils
 from utils.checks import check
 
 LESSON = Path(__file__).resolve().parents[1] / "lessons" / "08_checkpoints_and_failures.ipynb"
-CELL_STARTS = ("# Parameters", "import os", "class ResumableSampler", "STATE_ITEMS")
+CELL_STARTS = ("# Parameters", "import contextlib", "class ResumableSampler", "STATE_ITEMS")
 
 
 @pytest.fixture(scope="module")

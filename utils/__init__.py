@@ -5,6 +5,8 @@ The notebooks import what they need from here:
     utils.device()                      this rank's torch.device
     %load_ext utils; %%distributed -n 4 run a cell on 4 ranks (utils/magic.py)
     %dist start -n 4                    ranks that stay alive across cells (utils/pool.py)
+    utils.launch(fn, replace=1)         a dead rank replaced by a new process; utils.replacement forms the
+                                        survivors' and the newcomer's fresh groups
     utils.trace, utils.plots            per-rank timelines
     utils.checks                        state a claim: print ✓ or raise
     utils.compat                        torch API that changed across supported releases (one bridge)

@@ -13,6 +13,7 @@ cell names an argument that some supported torch lacks, and none prints a deprec
     compat.end_group_before_exit()            dist.destroy_process_group(), which can hang with gloo
                                               before torch 2.8
     compat.HAS_ASYNC_SAVE                     whether torch.distributed.checkpoint has async_save
+    compat.set_group_timeout(seconds)         a formed group's collective timeout (a private torch call)
 
 A feature some supported torch lacks has a name in FEATURES; a cell that shows it starts with
 `%%requires NAME` (registered when a notebook imports utils): on a torch without it the cell prints one line
@@ -24,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["all_gather_single", "reduce_scatter_single", "ddp", "tcp_store", "end_group_before_exit", "FEATURES", "requires",
+__all__ = ["all_gather_single", "reduce_scatter_single", "ddp", "tcp_store", "end_group_before_exit", "set_group_timeout",
+           "CAN_SET_GROUP_TIMEOUT", "GLOO_DESTROY_CAN_HANG", "FEATURES", "requires",
            "TORCH_VERSION", "HAS_ASYNC_SAVE"]
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -95,7 +97,7 @@ def tcp_store(host, port, world_size=None, **kwargs) -> dist.TCPStore:
 # pytorch/pytorch#154976 (torch 2.8): before it, a gloo group's destructor joins the group's worker threads
 # while holding the GIL, and a worker still letting go of a finished collective's tensors waits for the GIL:
 # destroy_process_group() then never returns (seen on torch 2.6 in one launch out of a few).
-_GLOO_DESTROY_CAN_HANG = TORCH_VERSION < (2, 8)
+_GLOO_DESTROY_CAN_HANG = GLOO_DESTROY_CAN_HANG = TORCH_VERSION < (2, 8)
 
 
 def end_group_before_exit() -> None:
@@ -113,6 +115,21 @@ def end_group_before_exit() -> None:
             pass
     else:
         dist.destroy_process_group()
+
+
+_SET_PG_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+CAN_SET_GROUP_TIMEOUT = _SET_PG_TIMEOUT is not None
+
+
+def set_group_timeout(seconds: float, group=None) -> None:
+    """Make collectives on `group` (default: the default group) fail after `seconds` of waiting for a peer.
+
+    Set after the group formed, so that a short timeout does not also bound the start-up barrier, where ranks may
+    arrive seconds apart on a busy machine. torch's own call for it is private; where a torch lacks it
+    (CAN_SET_GROUP_TIMEOUT false), pass `timeout=` to init_process_group instead.
+    """
+    from datetime import timedelta
+    _SET_PG_TIMEOUT(timedelta(seconds=seconds), group)
 
 
 # name: (whether this torch has it, what is missing where it does not)

@@ -14,7 +14,8 @@ With --die-at S, rank 1 kills itself with SIGKILL after S steps, the first time 
 remembers it died). The other rank's next all-reduce fails (gloo sees the closed connection); it logs that and
 waits to be stopped, so the launcher always sees rank 1's death first and stops the others itself, as it stops
 ranks stuck in a collective that never notices. Each rank checkpoints its own state (model, AdamW, step, its
-dropout RNG) into RUN/step<S>-rank<R>.pt; RUN/latest names the last step that every rank finished writing.
+dropout RNG) into RUN/step<S>-rank<R>.pt (written durably: temporary file, fsync, rename, fsync of the folder); RUN/latest names
+the last step that every rank finished writing.
 Events (process launched, imports done, group formed, resume, death, lost peer, stopped, end; wall-clock times) go to
 RUN/events.log, one line each, for the lesson to measure redone steps and restart cost. Rank 0 ends by printing
 the sha256 of the final parameters.
@@ -59,17 +60,33 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def durable_replace(write, path: Path) -> None:
+    """Write `path` through a temporary file: `write(file)` fills it, then fsync and rename.
+
+    The rename alone makes the file complete or absent after a *process* dies; the fsync of the file (before the
+    rename) and of its folder (after) make that hold after an OS crash or power loss too, when the page cache
+    had not reached the disk (DCP's file writer syncs by default for the same reason)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
 def save(folder: Path, step: int, model, optimizer) -> None:
     rank = dist.get_rank()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
              "rng": torch.get_rng_state()}
-    tmp = folder / f"step{step}-rank{rank}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, folder / f"step{step}-rank{rank}.pt")   # a file is either complete or absent
+    durable_replace(lambda f: torch.save(state, f), folder / f"step{step}-rank{rank}.pt")
     dist.barrier()                                           # every rank has written step `step`
     if rank == 0:
-        (folder / "latest.tmp").write_text(str(step))
-        os.replace(folder / "latest.tmp", folder / "latest")
+        durable_replace(lambda f: f.write(str(step).encode()), folder / "latest")
 
 
 def main() -> None:
@@ -77,7 +94,7 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, required=True, help="checkpoints, marker and events.log go here")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=4, help="checkpoint after every EVERY steps")
-    parser.add_argument("--die-at", type=int, default=None, help="rank 1 kills itself before this step, once")
+    parser.add_argument("--die-at", type=int, default=None, help="rank 1 kills itself after this many steps, the first time only")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

@@ -61,12 +61,18 @@ multi-process `torch.distributed` job (gloo on a laptop's CPU, NCCL with one GPU
   ```bash
   git clone {repo}.git && cd {name}
   python3 course.py                                    # sets up .venv on first use, then opens the lessons
-  python3 course.py check labs/lab1_collectives.ipynb  # runs a lab headless: its checks, a summary line
+  python3 course.py check labs/lab1_collectives.ipynb  # runs a lab headless: a ✓ or ✗ line for every part
   ```
-  The first run installs torch {torch} (the CPU build, a small download, unless `nvidia-smi` finds a GPU: then
-  the CUDA build) and the course into `.venv`, in a few minutes; `TORCH_SPEC="torch==X"` picks another torch
-  (supported: torch {supported}; every notebook runs on both ends). A lab's executed copy goes to `build/labs/`:
-  open it to read each check's ✓ lines or the ✗ that says what to fix.
+  The first run installs torch {torch} (the CPU build from PyTorch's wheel index, a small download, unless
+  `nvidia-smi` finds a GPU: then the CUDA build) and the course into `.venv`, in a few minutes;
+  `TORCH_SPEC="torch==X"` picks another torch (supported: torch {supported}; every notebook runs on both ends).
+  Where PyTorch's index cannot be reached (a proxy, a mirror of PyPI only, no network): `PIP_OPTIONS="--proxy
+  http://HOST:PORT"` is added to every pip command; `TORCH_SPEC="torch=={torch}"` takes PyPI's build instead (on
+  Linux a CUDA build: several GB, about 6 GB installed, and it runs on a CPU too); `TORCH_SPEC=/path/to/torch.whl`
+  installs a wheel file you have. Options after `python3 course.py` go to JupyterLab (in a container as root:
+  `python3 course.py --allow-root --no-browser`). `check` runs every part of the lab, also after one fails, and
+  prints a line for each; the executed copy goes to `build/labs/`: open it to read each check's ✓ lines or the ✗
+  that says what to fix.
   With conda instead: `conda env create -f environment.yml && conda activate dp-from-scratch && pip install -e . --no-deps`.
   Open the notebooks from their folders (`lessons/`, `labs/`): their first cell finds the course's `utils`
   package one folder up.

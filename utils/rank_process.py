@@ -1,0 +1,131 @@
+"""The body of every rank process that `utils.launch` starts (the launching side is utils/launching.py).
+
+A rank leads its own process group (so the launcher can kill all it starts), sends its stdout and stderr
+(C-level too) to the launcher over sockets, dumps its Python stack on SIGUSR1 (the launcher's hang report),
+dies with the launcher (a watchdog thread), initialises the default process group and runs `fn`; its result or
+its exception travels back over a pipe. A replacement rank (`launch(..., replace=N)`) starts the same way with
+its generation in COURSE_GENERATION and no default group: the survivors' group cannot take a newcomer, so
+`fn` forms fresh groups with utils/replacement.py.
+"""
+from __future__ import annotations
+
+import faulthandler
+import gc
+import inspect
+import io
+import os
+import signal
+import socket
+import sys
+import threading
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from . import compat
+from .shipping import describe_exception, dumps, to_cpu
+
+RANK_MARKER = "COURSE_LAUNCHED_RANK"  # set inside ranks that launch() started
+GENERATION = "COURSE_GENERATION"      # 0 for a launch's first ranks, n for the n-th replacement process
+
+
+def _rank_main(spec, result_conn, control_conn):
+    """Body of every rank process: set up, run fn, report, exit."""
+    os.setsid()  # lead a process group, so the launcher can kill everything this rank starts
+    rank, world_size = spec["rank"], spec["world_size"]
+    _connect_output(rank, spec["output_port"])
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    os.environ.update({RANK_MARKER: "1", "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec["store_port"]),
+                       GENERATION: str(spec["generation"])})
+    # Without a barrier after init, a rank whose fn needs no peer (a print, a refused send) can finish
+    # and exit while a peer is still completing gloo's connection handshake with it, which then fails
+    # with "Gloo connectFullMesh failed ... Connection closed by peer". torch's store-based barrier
+    # holds every rank until all have connected.
+    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
+    stack_file = open(spec["stack_file"], "w")
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    threading.Thread(target=_exit_with_launcher, args=(control_conn,), daemon=True,
+                     name="launcher-watchdog").start()
+    torch.set_num_threads(spec["threads"])
+    dist.set_debug_level_from_env()  # torch was imported before the notebook set the variable
+    try:
+        options = {}
+        if spec["backend"] == "nccl":
+            torch.cuda.set_device(rank)
+            if "device_id" in inspect.signature(dist.init_process_group).parameters:
+                options["device_id"] = torch.device("cuda", rank)  # NCCL then knows each rank's GPU
+        # How long a collective waits for its peers before it fails: set once the group formed where torch can,
+        # so that it does not bound the start-up barrier too (ranks of a busy machine arrive seconds apart).
+        late_timeout = spec["group_timeout"] is not None and compat.CAN_SET_GROUP_TIMEOUT
+        if spec["group_timeout"] is not None and not late_timeout:
+            options["timeout"] = timedelta(seconds=spec["group_timeout"])
+        if not spec["replace"]:  # with replacements, fn forms its own groups (utils/replacement.py)
+            store = dist.TCPStore("127.0.0.1", spec["store_port"], world_size, is_master=False,
+                                  timeout=timedelta(seconds=max(spec["timeout"], 30)))
+            dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size, **options)
+            if late_timeout:
+                compat.set_group_timeout(spec["group_timeout"])
+        fn, args, kwargs = cloudpickle.loads(spec["payload"])
+        result = to_cpu(fn(*args, **kwargs))
+        body = dumps(result)
+    except BaseException as exc:  # noqa: BLE001 — everything is reported to the launcher
+        sys.stdout.flush()
+        sys.stderr.flush()
+        result_conn.send(("error", describe_exception(exc)))
+        os._exit(1)  # skip destroy_process_group: peers may be gone and it could block
+    if dist.is_initialized():
+        compat.end_group_before_exit()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    result_conn.send(("ok", body))
+    os._exit(0)
+
+
+def _connect_output(rank, port):
+    """Point file descriptors 1 and 2 at the launcher, so C-level output is captured too."""
+    for stream in (1, 2):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(f"{rank} {stream}\n".encode())
+        os.dup2(sock.fileno(), stream)
+        sock.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", line_buffering=True)
+
+
+def _exit_with_launcher(control_conn):
+    """Watchdog: when the launching process goes away, take this rank's whole group with it."""
+    try:
+        control_conn.recv()
+    except (EOFError, OSError):
+        pass
+    os.killpg(0, signal.SIGKILL)
+
+
+def run_under_torchrun(fn, args, kwargs, backend):
+    """torchrun started this process as one rank: run fn here and gather every rank's result."""
+    created = not dist.is_initialized()
+    if created:
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    try:
+        result = to_cpu(fn(*args, **kwargs))
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+        return results
+    finally:
+        if created:
+            # A DDP module that fn built is garbage in a reference cycle that still holds the
+            # group; freed only at interpreter exit, gloo's threads then abort the process.
+            gc.collect()
+            dist.destroy_process_group()
