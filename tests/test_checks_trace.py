@@ -24,6 +24,14 @@ def test_check_prints_tick_or_raises(capsys):
     assert "✓" not in capsys.readouterr().out
 
 
+def test_formula_check_prints_no_tick_and_raises(capsys):
+    assert checks.formula_check(True, "4/3 = (C + K) / (C/2 + K) at K = C") is None
+    assert capsys.readouterr().out == "formula check: 4/3 = (C + K) / (C/2 + K) at K = C\n"   # no ✓: not evidence
+    with pytest.raises(AssertionError, match="✗ formula check: n\\* = 10: got 9"):
+        checks.formula_check(False, "n* = 10", "got 9")
+    assert capsys.readouterr().out == ""
+
+
 def test_check_close_returns_the_raw_difference_and_raises_beyond_tolerance(capsys):
     a = {"w": torch.tensor([1.0, 2.0]), "b": [torch.tensor(3.0)]}
     b = {"w": torch.tensor([1.0, 2.0 + 5e-7]), "b": [torch.tensor(3.0)]}
