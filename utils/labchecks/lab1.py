@@ -11,14 +11,8 @@ the bytes, messages or peers, expected vs measured. Chunks follow `tensor.tensor
 rank r; the first L % N chunks have one more element. A returned tensor may be the input itself or a view of
 it: each rank gets its own copy of the input, and the checks only read what comes back.
 
-The traffic rules (the grader shares them):
-  - reduce-scatter and all-gather run around a ring (`ring_peers`): rank r sends only to r+1 and receives only
-    from r-1 (mod N), in at most N-1 messages, and moves exactly M minus one chunk each way at every length
-    (`ring_bytes`; (N-1)/N × M when N divides the length, `scatter_gather_bytes`);
-  - halving-doubling follows the lab's fold rule: partners (`halving_doubling_peers`), messages, and bytes
-    (`halving_doubling_bytes` per rank where N and p divide the length, `halving_doubling_total_bytes` for all
-    ranks together at every length).
-  `traffic_problems` applies them to one case; the grader's verdicts call it too (lab1_traffic.py).
+The traffic rules (ring peers and bytes, halving-doubling's fold rule) are in lab1_traffic.py, whose
+`traffic_problems` applies them to one case; the grader's verdicts call it too.
 The cost model's check (part 4) is in lab1_cost.py, the chunk and position helpers in lab1_chunks.py; this
 module re-exports both.
 
