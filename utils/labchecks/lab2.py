@@ -111,9 +111,9 @@ def run_case(Wrapper, case, inputs=None):
                     continue
                 add = counter.add
 
-                def recording_add(op, sent=0, received=0, peer=None, nominal=False, asynchronous=False, add=add):
+                def recording_add(op, sent=0, received=0, *args, add=add, **kwargs):
                     events.append(("comm", op, int(sent), trace.now(), -1))   # handles.track numbers it
-                    add(op, sent, received, peer, nominal, asynchronous)
+                    add(op, sent, received, *args, **kwargs)
 
                 counter.add = recording_add
                 with handles.track(events):
