@@ -13,7 +13,8 @@ keeps gloo on the loopback interface.)
 With --die-at S, rank 1 kills itself with SIGKILL after S steps, the first time only (a marker file in --folder
 remembers it died). The other rank's next all-reduce fails (gloo sees the closed connection); it logs that and
 waits to be stopped, so the launcher always sees rank 1's death first and stops the others itself, as it stops
-ranks stuck in a collective that never notices. Each rank checkpoints its own state (model, AdamW, step, its
+ranks stuck in a collective that never notices. Its SIGTERM is logged whenever it comes, also before that
+all-reduce has failed. Each rank checkpoints its own state (model, AdamW, step, its
 dropout RNG) into RUN/step<S>-rank<R>.pt (written durably: temporary file, fsync, rename, fsync of the folder); RUN/latest names
 the last step that every rank finished writing.
 Events (process launched, imports done, group formed, resume, death, lost peer, stopped, end; wall-clock times) go to
@@ -104,6 +105,8 @@ def main() -> None:
         f.write(f"{IMPORTED:.6f} rank{os.environ['RANK']} imported attempt={attempt}\n")
     dist.init_process_group("gloo")
     log(args.folder, f"start attempt={attempt}")
+    # Installed now, not when a peer is lost: torchrun's SIGTERM may come before this rank's all-reduce fails.
+    signal.signal(signal.SIGTERM, lambda *_: (log(args.folder, "stopped by=SIGTERM"), os._exit(143)))
     digest = train(args.folder, args.steps, args.every, args.die_at, args.seed)
     if dist.get_rank() == 0:
         print(f"final parameters sha256 {digest}", flush=True)
@@ -152,8 +155,7 @@ def train(folder: Path, steps: int, every: int, die_at: int | None = None, seed:
             dist.all_reduce(flat)
         except RuntimeError:                                 # a peer is gone: leave the ending to the launcher
             log(folder, f"lost-peer step={step}")
-            signal.signal(signal.SIGTERM, lambda *_: (log(folder, "stopped by=SIGTERM"), os._exit(143)))
-            time.sleep(120)
+            time.sleep(120)                                  # main() logs torchrun's SIGTERM when it comes
             raise
         flat /= world
         offset = 0
