@@ -1,4 +1,5 @@
 """Shared by the lab-check and grader tests (tests/ is on sys.path under pytest's default import mode)."""
+import functools
 import re
 import subprocess
 import sys
@@ -45,9 +46,28 @@ def lab_class(lab: str, class_name: str, student: bool = False):
     return namespace[class_name]
 
 
+@functools.lru_cache(maxsize=1)
+def sandbox_arguments() -> tuple:
+    """[] where the grader's sandbox can start (or COURSE_REQUIRE_SANDBOX=1 demands it, as CI does), else
+    ["--no-sandbox"]: the grader's tests then exercise its unsandboxed mode (tests/test_grade_sandbox.py skips)."""
+    import os
+
+    from utils.tools.grade import sandbox
+
+    if os.environ.get("COURSE_REQUIRE_SANDBOX") == "1":
+        return ()
+    try:
+        sandbox.Sandbox().close()
+        return ()
+    except sandbox.SandboxUnavailable:
+        return ("--no-sandbox",)
+
+
 def run_grader(args, timeout):
-    """`python -m utils.tools.grade ARGS` as `make grade` runs it; returns (seconds, output)."""
+    """`python -m utils.tools.grade ARGS` as `make grade` runs it (in the sandbox where one can start); returns
+    (seconds, output)."""
     start = time.monotonic()
+    args = [*args, *sandbox_arguments()]
     done = subprocess.run([sys.executable, "-m", "utils.tools.grade", *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr

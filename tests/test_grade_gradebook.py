@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 from utils.tools import release
-from utils.tools.grade import cli, find_submissions, load_labs
+from utils.tools.grade import find_submissions, job, load_labs
 from utils.tools.grade.preparation import prepare
 from utils.tools.grade.reports import Outcome, read_roster, write_reports
 from utils.tools.grade.wording import GLOO_RECEIVE, plain
@@ -142,8 +142,8 @@ def test_returned_notebooks_carry_no_hidden_tests(labs):
 def test_lab_limits_come_from_the_lab_unless_the_command_line_sets_them():
     real = load_labs(ROOT / "labs")
     lab1 = real["lab1_collectives"]
-    assert cli.Limits(None, None, None).for_lab(lab1).cell_timeout == lab1.limits["cell_timeout"] <= 60
-    assert cli.Limits(None, 5, None).for_lab(lab1).cell_timeout == 5
+    assert job.Limits(None, None, None).for_lab(lab1).cell_timeout == lab1.limits["cell_timeout"] <= 60
+    assert job.Limits(None, 5, None).for_lab(lab1).cell_timeout == 5
     for lab in real.values():   # every lab bounds a loop in a student's cell, and in a verdict step, to about a minute
         assert lab.limits["cell_timeout"] <= 60 and lab.limits["verdict_timeout"] <= 60 and lab.limits["timeout"] <= 240
     nb = nbformat.v4.new_notebook(metadata={"grading": {"cell_timeout": 20, "timeout": -1}})
@@ -155,7 +155,7 @@ def test_lab_limits_come_from_the_lab_unless_the_command_line_sets_them():
 def test_the_function_a_timed_out_cell_was_running_is_named():
     nb = release.read_notebook(ROOT / "labs" / "lab1_collectives.ipynb")
     source = "lab1.check_cost_model(ring_time, halving_doubling_time, crossover_bytes)"
-    assert cli.student_functions_called(source, nb) == ["ring_time", "halving_doubling_time", "crossover_bytes"]
+    assert job.student_functions_called(source, nb) == ["ring_time", "halving_doubling_time", "crossover_bytes"]
 
 
 def test_one_command_grades_lms_names_and_regrades_one_student(scratch):

@@ -7,15 +7,17 @@ submission per way a student can go wrong:
     bob     sums instead of averaging                      (flat name bob__lab0_fixture.ipynb)
     carol   correct, renamed file, deleted a test cell       (matched by grade_id, cell put back)
     dave    average hangs with SIGINT ignored and an orphaned grandchild process; ring and chunks correct
+            (a hang runs out of time twice: "not graded: ran out of time", no points recorded, never 0)
     erin    average kills its process (os._exit); ring and chunks correct
-    frank   an endless loop in part 2 only
+    frank   an endless loop in part 2 only (not graded either: ran out of time twice)
     grace   prints ~3 MB in part 3 (right, but chatty)
     heidi   average calls a helper from a cell of her own (the notebook sees it, the verdict does not);
             another cell of her own prints where temporary files go
     ivan    not JSON;   judy  a notebook of no lab
 Points come from the verdicts only; the notebook runs for feedback. The grading runs as `make grade` runs it:
-`python -m utils.tools.grade ... --out DIR`, read back from its CSVs. The real labs, and cheats against
-them, are in tests/test_grade_labs.py.
+`python -m utils.tools.grade ... --out DIR`, read back from its CSVs, in the sandbox where one can start (as
+`make grade` does). The real labs, and cheats against them, are in tests/test_grade_labs.py; attacks on the
+sandbox in tests/test_grade_sandbox.py.
 """
 
 import copy
@@ -35,15 +37,16 @@ import psutil
 import pytest
 
 from utils.tools import grade, release
-from labtesting import run_grader
+from utils.tools.grade.reports import NOT_GRADED
+from labtesting import run_grader, sandbox_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FIXTURE_LABS = FIXTURES / "labs"
 FIXTURE_VERDICTS = FIXTURES / "verdicts"
 SUBMISSIONS = FIXTURES / "submissions"
-# Limits for the fixture run: the hang costs TIMEOUT (notebook) + VERDICT_TIMEOUT, the loop CELL_TIMEOUT +
-# VERDICT_TIMEOUT. TIMEOUT also bounds each submission's verdict run: at 30 s a loaded machine ran out of it on the
+# Limits for the fixture run: the hang costs TIMEOUT (notebook) + 3.5 × VERDICT_TIMEOUT (its part is judged again with
+# 2.5 × the limit), the loop CELL_TIMEOUT + 3.5 × VERDICT_TIMEOUT. TIMEOUT also bounds each submission's verdict run: at 30 s a loaded machine ran out of it on the
 # endless loop's three parts (two pool starts and a 5 s wait). The hanging notebook ignores the interrupt, so each
 # of its 5 cells from the hang on waits CELL_TIMEOUT: 5 × 10 s > TIMEOUT, and it is stopped at TIMEOUT.
 TIMEOUT, CELL_TIMEOUT, VERDICT_TIMEOUT = 45, 10, 5
@@ -320,7 +323,8 @@ def read_reports(out):
         summary = {(r["student"], r["lab"]): r for r in csv.DictReader(f)}
     parts = {}
     for r in rows:
-        parts.setdefault((r["student"], r["lab"]), {})[r["part"]] = (float(r["points"]), float(r["max"]))
+        got = None if r["points"] == NOT_GRADED else float(r["points"])
+        parts.setdefault((r["student"], r["lab"]), {})[r["part"]] = (got, float(r["max"]))
     return rows, parts, summary
 
 
@@ -342,12 +346,19 @@ def grade_fixtures(tmp):
     try:
         seconds, log = run_grader([SUBMISSIONS, extra, "--labs", FIXTURE_LABS, "--verdicts", FIXTURE_VERDICTS,
                                    "--out", tmp / "grades", "--timeout", TIMEOUT, "--cell-timeout", CELL_TIMEOUT,
-                                   "--verdict-timeout", VERDICT_TIMEOUT, "--jobs", 2], timeout=400)
+                                   "--verdict-timeout", VERDICT_TIMEOUT, "--jobs", 2], timeout=500)
     finally:
         del os.environ["GRADE_TEST_PIDFILE"]
     rows, parts, summary = read_reports(tmp / "grades")
     return {"out": tmp / "grades", "rows": rows, "parts": parts, "summary": summary, "log": log,
-            "seconds": seconds, "pidfile": pidfile}
+            "seconds": seconds, "pidfile": pidfile, "sandboxed": summary[("alice", "lab0_fixture")]["sandbox"] == "yes"}
+
+
+def _namespace(process):
+    try:
+        return os.readlink(f"/proc/{process.pid}/ns/pid")
+    except OSError:
+        return None
 
 
 def command_line(process):
@@ -386,30 +397,39 @@ def test_wrong_submission_loses_exactly_the_part_it_breaks(fixture_grades):
 
 def test_hanging_and_crashing_parts_score_zero_the_others_still_score(fixture_grades):
     summary = fixture_grades["summary"]
-    assert points(fixture_grades, "dave") == {"average": 0, "ring": 3, "chunks": 1}
+    assert points(fixture_grades, "dave") == {"average": None, "ring": 3, "chunks": 1}
     assert summary[("dave", "lab0_fixture")]["status"] == "timeout", "its notebook hung"
     log = (fixture_grades["out"] / "logs" / "dave__lab0_fixture.log").read_text()
     stopped = re.search(r"\[grader: feedback stopped at the time limit after ([\d.]+) s\]", log)
     assert stopped and float(stopped.group(1)) < TIMEOUT + 15, "its notebook was killed at its time limit"
-    assert "✗ average: no result after 5 s" in feedback(fixture_grades, "dave")
+    assert "average: not graded: ran out of time (no result within 5 s, nor within 12.5 s" in feedback(
+        fixture_grades, "dave")
+    assert "dave lab0_fixture: part average not graded: ran out of time — regrade it: make regrade" in (
+        fixture_grades["out"] / "problems.txt").read_text()
+    assert summary[("dave", "lab0_fixture")]["gradebook_status"] == "timeout", "its notebook hung"
     assert points(fixture_grades, "erin") == {"average": 0, "ring": 3, "chunks": 1}
     assert summary[("erin", "lab0_fixture")]["status"] == "kernel died"
-    assert "the verdict process exited" in feedback(fixture_grades, "erin")
+    assert "the verdict process exited with code 3 while running average" in feedback(fixture_grades, "erin")
     finished = {student for (student, _), r in summary.items() if r["status"] == "finished"}
     assert finished == {"alice", "bob", "carol", "frank", "grace", "heidi", "reference", "blank"}
-    orphans = [int(line.split()[0]) for line in fixture_grades["pidfile"].read_text().splitlines()]
-    assert len(orphans) == 2, "one from the verdict, one from the notebook"
-    for orphan in orphans:
-        assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE, \
-            "the hanging submission's orphaned grandchild was killed"
+    if fixture_grades["sandboxed"]:  # the pid file is outside the sandbox: look for sandboxed sleepers instead
+        ours = os.readlink("/proc/self/ns/pid")
+        sleepers = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]]
+        assert [p.pid for p in sleepers if _namespace(p) not in (ours, None)] == [], "orphans left in a sandbox"
+    else:
+        orphans = [int(line.split()[0]) for line in fixture_grades["pidfile"].read_text().splitlines()]
+        assert len(orphans) == 2, "one from the verdict, one from the notebook"
+        for orphan in orphans:
+            assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE, \
+                "the hanging submission's orphaned grandchild was killed"
     leftovers = [c for c in map(command_line, psutil.Process().children(recursive=True))
                  if "utils.tools.grade" in c or "ipykernel" in c or "sleep 1000" in c]
     assert leftovers == [], f"processes left behind: {leftovers}"
 
 
 def test_endless_loop_loses_only_its_part(fixture_grades):
-    assert points(fixture_grades, "frank") == {"average": 2, "ring": 0, "chunks": 1}
-    assert "no result after 5 s while running ring_neighbours" in feedback(fixture_grades, "frank")
+    assert points(fixture_grades, "frank") == {"average": 2, "ring": None, "chunks": 1}
+    assert "no result after 12.5 s while running ring_neighbours" in feedback(fixture_grades, "frank")
     executed = release.read_notebook(fixture_grades["out"] / "executed" / "frank" / "lab0_fixture.ipynb")
     assert "KeyboardInterrupt" in str(executed.cells), "the notebook's cell was interrupted at its time limit"
 
@@ -453,25 +473,25 @@ def test_kernels_talk_over_ipc(fixture_grades):
 
 def test_an_interrupted_grader_leaves_nothing_running(scratch):
     """Ctrl-C while a submission hangs in its verdict: the grader stops, and every process it started is gone."""
-    pidfile = scratch / "orphan.pid"
     grader = subprocess.Popen([sys.executable, "-m", "utils.tools.grade", SUBMISSIONS / "dave", "--student", "dave",
                                "--labs", FIXTURE_LABS, "--verdicts", FIXTURE_VERDICTS, "--out", scratch / "out",
-                               "--verdict-timeout", "60"], cwd=ROOT, env=dict(os.environ, GRADE_TEST_PIDFILE=str(pidfile)),
+                               "--verdict-timeout", "60", *sandbox_arguments()], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    seen, deadline = set(), time.monotonic() + 120
+    seen, deadline, orphan = set(), time.monotonic() + 120, None
     try:
-        while not pidfile.exists() and time.monotonic() < deadline:  # dave's average is running in a verdict
-            seen.update(p.pid for p in psutil.Process(grader.pid).children(recursive=True))
+        while orphan is None and time.monotonic() < deadline:  # dave's average is running in a verdict
+            tree = psutil.Process(grader.pid).children(recursive=True)
+            seen.update(p.pid for p in tree)
+            orphan = next((p for p in tree if command_line(p) == "sleep 1000"), None)
             time.sleep(0.2)
-        assert pidfile.exists(), "the verdict never started"
+        assert orphan is not None, "the verdict never started"
+        folder = orphan.cwd()  # the verdict's working folder, in the submission's private folder
         seen.update(p.pid for p in psutil.Process(grader.pid).children(recursive=True))
         grader.send_signal(signal.SIGINT)
         assert grader.wait(timeout=30) == 130
     finally:
         if grader.poll() is None:
             grader.kill()
-    (orphan, folder), = [line.split() for line in pidfile.read_text().splitlines()]  # pid, the verdict's cwd
-    seen.add(int(orphan))
     alive = [p for p in map(_process, seen) if p is not None and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"left running: {[command_line(p) for p in alive]}"
     assert not Path(folder).parent.exists(), "the submission's private folder was removed"

@@ -7,8 +7,8 @@ For each submission (layouts: utils/tools/grade/submissions.py) the grader
 
   1. prepares it (preparation.py): every cell that is not a solution cell is taken from the reference lab; the
      submission contributes its solution cells (and cells the student added, which only the feedback run sees);
-  2. judges it (checker.py, verdicts/): a process that runs no student code starts fresh processes that run the
-     lab's import and helper cells plus the *source text* of the solution cells (rank.py), hands each one its
+  2. judges it (checker.py, pool.py, verdicts/): a process that runs no student code starts fresh processes that
+     run the lab's import and helper cells plus the *source text* of the solution cells (rank.py), hands each one its
      own inputs drawn from the OS's cryptographic source, gets raw tensors and numbers back (wire.py, never a
      pickle) and compares them with what it computes itself. Points come only from these verdicts: a part
      scores its points when its verdict passes, else 0;
@@ -24,13 +24,17 @@ or as a .zip export (submissions.py); `--roster` names the students.
 
 Defences are against cheating in Python (rebinding or patching the checks, patching torch, forged objects,
 searching for fixed seeds). What a verdict process measures about itself (bytes sent, messages, "point-to-point
-only") can be faked there and is advisory. Student code runs with your user's rights: grade untrusted
-submissions inside a container or VM (see INSTRUCTORS.md).
+only") can be faked there and is advisory. Every process that runs student code (the verdict ranks, the feedback
+worker and kernel) runs in the submission's sandbox (sandbox.py: bubblewrap; no reference labs, verdict modules,
+other submissions or reports in sight, no network, limited memory, CPU and processes); where it cannot start,
+grading is refused unless --no-sandbox (INSTRUCTORS.md, "The sandbox").
 """
 
 _EXPORTS = {
-    "cli": ["DEFAULT_TIMEOUT", "DEFAULT_CELL_TIMEOUT", "DEFAULT_VERDICT_TIMEOUT", "DEFAULT_MAX_OUTPUT", "Limits",
-            "Job", "grade", "main", "print_parts"],
+    "job": ["DEFAULT_TIMEOUT", "DEFAULT_CELL_TIMEOUT", "DEFAULT_VERDICT_TIMEOUT", "DEFAULT_MAX_OUTPUT", "Limits",
+            "Job"],
+    "cli": ["grade", "main", "print_parts"],
+    "sandbox": ["Sandbox", "SandboxUnavailable"],
     "preparation": ["Prepared", "prepare"],
     "processes": ["kill_tree"],
     "reports": ["Outcome", "feedback_text", "gradebook_rows", "read_roster", "write_reports"],

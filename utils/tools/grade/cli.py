@@ -2,284 +2,26 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from ..release import LabFormatError, names_used, nbgrader_meta, read_notebook, solution_functions, write_notebook
+from ..release import LabFormatError
 from . import __doc__ as PACKAGE_DOC  # noqa: N812
+from . import sandbox
+from .job import DEFAULT_MAX_OUTPUT, Job, Limits
 from .preparation import prepare
-from .processes import (REPO_ROOT, child_environment, exit_on_signals, kill_tree, make_undumpable,
-                        short_temporary_folder)
-from .reports import Outcome, num, safe_name, write_reports
-from .submissions import MAX_NOTEBOOK_BYTES, find_submissions, load_labs
+from .processes import REPO_ROOT, exit_on_signals, make_undumpable, short_temporary_folder
+from .reports import num, write_reports
+from .submissions import find_submissions, load_labs
 from .verdicts import InProcess, VerdictError, load_module
-
-DEFAULT_TIMEOUT = 600.0          # seconds for each of a submission's two runs (verdicts; feedback notebook)
-DEFAULT_CELL_TIMEOUT = 300.0     # seconds per notebook cell; a cell that runs longer is interrupted and fails
-DEFAULT_VERDICT_TIMEOUT = 60.0   # seconds per verdict step (one part at one world size); longer fails the part
-DEFAULT_MAX_OUTPUT = 1 << 20     # bytes one notebook cell may print
-LOG_BYTES = 64 << 10             # bytes of each child's own output kept in logs/ per submission
-VERDICT_BYTES = 4 << 20          # bytes of the checker's answer read at most
-
-
-@dataclass
-class Limits:
-    """A field set to None takes the lab's own limit (its verdict module's LIMITS or its notebook's "grading"
-    metadata: submissions.lab_limits), else the default above."""
-    timeout: float | None = DEFAULT_TIMEOUT
-    cell_timeout: float | None = DEFAULT_CELL_TIMEOUT
-    verdict_timeout: float | None = DEFAULT_VERDICT_TIMEOUT
-    max_output: int = DEFAULT_MAX_OUTPUT
-
-    def for_lab(self, lab) -> "Limits":
-        own = getattr(lab, "limits", {}) or {}
-        defaults = {"timeout": DEFAULT_TIMEOUT, "cell_timeout": DEFAULT_CELL_TIMEOUT,
-                    "verdict_timeout": DEFAULT_VERDICT_TIMEOUT}
-        return Limits(**{name: getattr(self, name) if getattr(self, name) is not None else own.get(name, default)
-                         for name, default in defaults.items()}, max_output=self.max_output)
-
-
-class _Child:
-    """A grader child in its own session, its output drained by threads: stdout kept (up to `keep` bytes) or
-    logged, stderr logged, the log capped."""
-
-    def __init__(self, command, cwd, env, log, stdin: bytes | None = None, keep: int = 0):
-        self.log, self.keep, self.kept = log, keep, bytearray()
-        self.proc = subprocess.Popen(command, cwd=cwd, env=env,
-                                     stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE if keep else subprocess.STDOUT,
-                                     start_new_session=True)
-        self.threads = [threading.Thread(target=self._drain, args=(self.proc.stdout, bool(keep)), daemon=True)]
-        if keep:
-            self.threads.append(threading.Thread(target=self._drain, args=(self.proc.stderr, False), daemon=True))
-        if stdin is not None:
-            self.threads.append(threading.Thread(target=self._feed, args=(stdin,), daemon=True))
-        for thread in self.threads:
-            thread.start()
-
-    def _feed(self, data):
-        try:
-            self.proc.stdin.write(data)
-            self.proc.stdin.close()
-        except OSError:
-            pass
-
-    def _drain(self, stream, keep):
-        while chunk := stream.read1(1 << 16):
-            if keep:
-                self.kept += chunk[:max(0, self.keep - len(self.kept))]
-            else:
-                self.log.add(chunk)
-
-    def join(self):
-        for thread in self.threads:
-            thread.join(timeout=5)
-
-
-class _Log:
-    """The grader's own log of one submission, capped."""
-
-    def __init__(self):
-        self.data, self.total = bytearray(), 0
-
-    def add(self, chunk):
-        self.total += len(chunk)
-        if len(self.data) < LOG_BYTES:
-            self.data += chunk[:LOG_BYTES - len(self.data)]
-
-    def text(self) -> bytes:
-        dropped = self.total - len(self.data)
-        tail = f"\n[grader: {dropped} more bytes of output dropped]\n".encode() if dropped > 0 else b""
-        return bytes(self.data) + tail
-
-
-class Job:
-    """One submission: prepared here, then judged by the verdict checker, then its notebook run for feedback
-    (two child processes, one after the other, each in its own session, each within `timeout`)."""
-
-    def __init__(self, submission, lab, out_dir, limits: Limits):
-        self.submission, self.lab, self.out_dir, self.limits = submission, lab, Path(out_dir), limits.for_lab(lab)
-        self.outcome = Outcome(submission.student, lab.name, submission.path, lab_note=lab.note,
-                               name=getattr(submission, "name", ""), lms_id=getattr(submission, "lms_id", ""),
-                               late=getattr(submission, "late", False))
-        if getattr(submission, "note", ""):
-            self.outcome.notes.append(submission.note)
-        self.start, self.started_at = time.monotonic(), time.time()
-        self.tmp = short_temporary_folder("grade-")
-        self.work, self.private, self.temp, self.judging = (self.tmp / n for n in ("work", "grader", "tmp", "verdicts"))
-        for folder in (self.work, self.private, self.temp, self.judging):
-            folder.mkdir()
-        self.log, self.child, self.phase, self.verdict_answer = _Log(), None, "verdicts", {}
-        self.prepared = None
-        try:
-            if submission.path.stat().st_size > MAX_NOTEBOOK_BYTES:
-                raise ValueError(f"file larger than {MAX_NOTEBOOK_BYTES >> 20} MiB")
-            self.prepared = prepare(read_notebook(submission.path), lab)
-        except Exception as error:
-            self.outcome.status, self.outcome.verdicts, self.phase = "unreadable", "not run", "done"
-            too_big = submission.path.exists() and submission.path.stat().st_size > MAX_NOTEBOOK_BYTES
-            self.outcome.notes.append(f"the file is larger than {MAX_NOTEBOOK_BYTES >> 20} MiB — please resubmit"
-                                      if too_big else "the file is not a notebook — please resubmit")
-            self.log.add(f"[grader: could not read the notebook: {type(error).__name__}: {error}]\n"[:500].encode())
-            return
-        self.outcome.notes.extend(self.prepared.notes)
-        try:
-            self._start_verdicts()
-        except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-
-    # -------------------------------------------------------------- the two runs
-
-    def _start_verdicts(self):
-        job = {"verdicts": str(self.lab.verdicts), "cells": self.prepared.cells,
-               "parts": [grade_id for grade_id, _ in self.lab.parts],
-               "task_timeout": self.limits.verdict_timeout}
-        self.log.add(b"[grader: verdicts]\n")
-        self.phase_start = time.monotonic()
-        self.child = _Child([sys.executable, "-m", "utils.tools.grade.checker"], self.judging,
-                            child_environment(self.temp), self.log, stdin=json.dumps(job).encode(), keep=VERDICT_BYTES)
-
-    def _start_feedback(self):
-        notebook = self.work / f"{self.lab.name}.ipynb"
-        write_notebook(self.prepared.notebook, notebook)
-        env = child_environment(self.temp, COURSE_OUTPUT="grouped", JUPYTER_PLATFORM_DIRS="1",
-                                JUPYTER_RUNTIME_DIR=self.private / "runtime")
-        command = [sys.executable, "-m", "utils.tools.grade.notebook", str(notebook),
-                   "--result", str(self.private / "result.json"), "--executed", str(self.private / "executed.ipynb"),
-                   "--cell-timeout", str(self.limits.cell_timeout), "--max-output", str(self.limits.max_output),
-                   "--sockets", str(self.tmp)]
-        self.log.add(b"[grader: feedback notebook]\n")
-        self.phase_start = time.monotonic()
-        self.child = _Child(command, self.work, env, self.log)
-
-    def poll(self) -> bool:
-        """True once both runs are over (finished or killed at their time limit)."""
-        if self.phase == "done":
-            return True
-        if self.child.proc.poll() is not None:
-            self._end_phase(timed_out=False)
-        elif time.monotonic() - self.phase_start > self.limits.timeout:
-            self._kill(alive=True)
-            self._end_phase(timed_out=True)
-        return self.phase == "done"
-
-    def _sessions(self):
-        if self.phase != "feedback":
-            return []
-        kernel = self._notebook_results().get("kernel_pid")
-        return [kernel] if kernel else []
-
-    def _kill(self, alive):
-        if self.child is not None:
-            kill_tree(self.child.proc.pid, alive and self.child.proc.poll() is None, self._sessions(), self.started_at)
-            self.child.proc.wait()
-
-    def _end_phase(self, timed_out):
-        self._kill(alive=False)  # anything left behind
-        self.child.join()
-        self.log.add(f"[grader: {self.phase} {'stopped at the time limit' if timed_out else 'done'} after "
-                     f"{time.monotonic() - self.phase_start:.1f} s]\n".encode())
-        if self.phase == "verdicts":
-            if timed_out:
-                self.outcome.verdicts = "timeout"
-            else:
-                try:
-                    self.verdict_answer = json.loads(bytes(self.child.kept))
-                    if not isinstance(self.verdict_answer.get("parts"), dict):
-                        raise ValueError("no parts")
-                except (ValueError, AttributeError):
-                    self.verdict_answer = {}
-                    self.outcome.verdicts = "grader error"
-            errors = self.verdict_answer.get("cell_errors") or {}
-            for label, error in list(errors.items())[:10]:
-                self.outcome.notes.append(f"{label} raised when the verdicts ran it: {str(error)[:300]}")
-            self.phase = "feedback"
-            self._start_feedback()
-            return
-        results = self._notebook_results()
-        if timed_out:
-            self.outcome.status = "timeout"
-        elif results.get("kernel_died_in_cell") is not None:
-            self.outcome.status = "kernel died"
-        elif self.child.proc.returncode != 0 or not results.get("finished"):
-            self.outcome.status = "grader error"
-        self.phase = "done"
-
-    def _notebook_results(self) -> dict:
-        try:
-            return json.loads((self.private / "result.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    # -------------------------------------------------------------- the outcome
-
-    def finish(self) -> Outcome:
-        """Score, save the executed notebook and the log; remove the private folder."""
-        outcome = self.outcome
-        outcome.seconds = time.monotonic() - self.start
-        outcome.scores = self._scores()
-        if self.prepared is not None:
-            results = self._notebook_results().get("cells", {})
-            for index, cell in enumerate(self.prepared.notebook.cells):
-                grade_id = nbgrader_meta(cell).get("grade_id")
-                if grade_id and str(index) in results:
-                    status, message = results[str(index)]["status"], results[str(index)]["message"]
-                    if status == "timeout":
-                        running = student_functions_called(cell.source, self.prepared.notebook)
-                        if running:
-                            message += f" (it was running your {', '.join(running)})"
-                    outcome.checks[grade_id] = (status, message)
-        name = f"{safe_name(outcome.student)}/{safe_name(outcome.lab)}"
-        executed = self.private / "executed.ipynb"
-        if executed.exists():
-            (self.out_dir / "executed" / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(executed, self.out_dir / "executed" / f"{name}.ipynb")
-        (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "logs" / f"{safe_name(outcome.student)}__{safe_name(outcome.lab)}.log").write_bytes(
-            self.log.text())
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        return outcome
-
-    def abort(self):
-        """Interrupted: kill whatever runs, remove the private folder."""
-        if self.child is not None:
-            self._kill(alive=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def _scores(self) -> list:
-        parts = self.verdict_answer.get("parts") or {}
-        reason = {"timeout": f"not judged: the verdicts reached their time limit ({self.limits.timeout:g} s)",
-                  "grader error": "not judged: the grader's verdict step failed (see logs/)",
-                  "not run": "not judged: the notebook could not be read",
-                  "judged": "not judged"}[self.outcome.verdicts]
-        scores = []
-        for grade_id, points in self.lab.parts:
-            verdict = parts.get(grade_id)
-            if isinstance(verdict, dict) and isinstance(verdict.get("message"), str):
-                passed = verdict.get("passed") is True
-                scores.append((grade_id, points if passed else 0, points, verdict["message"][:5000]))
-            else:
-                scores.append((grade_id, 0, points, reason))
-        return scores
-
-
-def student_functions_called(source: str, notebook) -> list:
-    """The names of the notebook's solution-cell functions (and classes) that `source` mentions, in order."""
-    defined = solution_functions(notebook)
-    return [name for name in names_used(source) if name in defined]
-
 
 # ------------------------------------------------------------------ grading many
 
-def grade(submissions: list, labs: dict, out_dir, limits: Limits = None, jobs=1, log=print) -> list:
-    """Grade each submission (at most `jobs` at a time); return their Outcomes in the given order."""
+def grade(submissions: list, labs: dict, out_dir, limits: Limits = None, jobs=1, log=print, sandbox=None) -> list:
+    """Grade each submission (at most `jobs` at a time), each in its own view of `sandbox` (sandbox.Sandbox; None:
+    unsandboxed); return their Outcomes in the given order."""
     limits = limits or Limits()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -289,7 +31,7 @@ def grade(submissions: list, labs: dict, out_dir, limits: Limits = None, jobs=1,
         while pending or running:
             while pending and len(running) < jobs:
                 index, sub = pending.pop(0)
-                running.append((index, Job(sub, labs[sub.lab], out_dir, limits)))
+                running.append((index, Job(sub, labs[sub.lab], out_dir, limits, sandbox)))
             for item in list(running):
                 index, job = item
                 if job.poll():
@@ -359,10 +101,15 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="regrade: replace only these submissions' rows in --out's gradebook, keep everyone else's "
                              "rows and feedback")
+    parser.add_argument("--no-sandbox", action="store_true",
+                        help="grade without the sandbox (student code then runs with your rights: it can read the "
+                             "reference labs and other submissions); every report says so")
+    parser.add_argument("--memory-limit", type=float, default=sandbox.Limits.memory / sandbox.GIB,
+                        help="GiB of address space per sandboxed process (default %(default)g)")
     parser.add_argument("--roster", default=None,
                         help="CSV of id, name, email (ids as the LMS names them) for the gradebook")
     args = parser.parse_args(argv)
-    for name in ("timeout", "cell_timeout", "verdict_timeout", "max_output", "jobs"):
+    for name in ("timeout", "cell_timeout", "verdict_timeout", "max_output", "jobs", "memory_limit"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
 
@@ -409,15 +156,28 @@ def _grade_found(args, labs, labs_dir, unpacked) -> int:
         own = limits.for_lab(labs[name])
         print(f"grading {sum(s.lab == name for s in submissions)} submissions of {name} against {labs_dir} (limits: "
               f"{own.timeout:g} s per run, {own.cell_timeout:g} s per cell, {own.verdict_timeout:g} s per verdict step)")
+    box, warning = None, ""
+    if args.no_sandbox:
+        warning = sandbox.UNSANDBOXED_WARNING
+        print(warning, file=sys.stderr)
+    else:
+        try:
+            box = sandbox.Sandbox(sandbox.Limits(memory=int(args.memory_limit * sandbox.GIB)))
+        except sandbox.SandboxUnavailable as error:
+            print(f"grading refused: student code must run in a sandbox, and {error}", file=sys.stderr)
+            return 1
     make_undumpable()  # the processes running student code are our descendants: keep them out of our memory
     exit_on_signals()  # SIGTERM and SIGHUP clean up like Ctrl-C
     try:
-        outcomes = grade(submissions, labs, args.out, limits, args.jobs)
+        outcomes = grade(submissions, labs, args.out, limits, args.jobs, sandbox=box)
     except KeyboardInterrupt:
         print("grading interrupted: every process it started is stopped; no reports written", file=sys.stderr)
         return 130
+    finally:
+        if box is not None:
+            box.close()
     write_reports(outcomes, args.out, problems, merge=args.merge,
-                  roster=read_roster(args.roster) if args.roster else None)
+                  roster=read_roster(args.roster) if args.roster else None, warning=warning)
     print(f"wrote {Path(args.out) / 'gradebook.csv'}, grades.csv, summary.csv, feedback/ ({len(outcomes)} submissions"
           f"{', merged into the previous reports' if args.merge else ''})")
     return 0

@@ -3,8 +3,8 @@
     python -m utils.tools.grade.notebook NOTEBOOK --result R.json --executed E.ipynb
                                          --cell-timeout S --max-output BYTES --sockets DIR
 
-Started by the grader in its own session, with the submission's folder as working directory and TMPDIR
-private. The kernel's channels are IPC sockets in DIR (utils/tools/kernels.py). Points never come from here:
+Started by the grader in its own session and in the submission's sandbox (utils/tools/grade/sandbox.py), with
+the submission's folder as working directory and TMPDIR private. The kernel's channels are IPC sockets in DIR (utils/tools/kernels.py). Points never come from here:
 this run gives the student their notebook's own check messages, and the instructor the executed copy.
 
 Once a graded test cell fails, a later ungraded cell that calls a function the failed cell checked is not run (its
@@ -28,6 +28,7 @@ import nbformat
 from ..kernels import ipc_kernel_manager_class
 from ..release import names_used, nbgrader_meta, read_notebook, solution_functions, write_notebook
 from .processes import become_subreaper, die_with_parent, exit_on_signals, kill_descendants
+from .sandbox import confine
 
 TIMEOUT_ENAME = "CellTimeout"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -150,6 +151,7 @@ def cell_result(cell, reply, over, max_output) -> dict:
 
 
 def main(argv=None) -> int:
+    confine()  # in a sandbox: its limits, and as root the submission's own user (before the kernel starts)
     parser = argparse.ArgumentParser(prog="python -m utils.tools.grade.notebook", description=__doc__.split("\n")[0])
     parser.add_argument("notebook")
     parser.add_argument("--result", required=True)

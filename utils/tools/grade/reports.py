@@ -5,8 +5,12 @@
                     --roster, else the LMS's file name), points, max, status, late, files. status keeps exceptions
                     apart from real zeros: "graded" (points are what the verdicts gave, 0 included), "resubmission
                     needed" (the file is not a notebook), "timeout", "kernel died", "grader error".
-    grades.csv      one row per part: student, lab, part, points, max
-    summary.csv     one row per submission: student, lab, points, max, status, verdicts, seconds, file, ...
+                    "not graded: ran out of time" (a part's verdict ran out of time twice: regrade it).
+    grades.csv      one row per part: student, lab, part, points (or NOT_GRADED), max
+    summary.csv     one row per submission: student, lab, points, max, status, verdicts, seconds, file, ...,
+                    sandbox (yes, or no when graded with --no-sandbox)
+    problems.txt    files not graded, parts not graded (with the command that regrades them), and the warning
+                    that the run had no sandbox
     feedback/<student>.txt, executed/<student>/<lab>.ipynb (the notebook as it ran: no hidden tests)
 
 merge=True (a regrade: `--merge`) keeps every other student's rows and feedback, replacing only the
@@ -36,7 +40,7 @@ class Outcome:
     status: str = "finished"     # the feedback notebook: finished | timeout | kernel died | unreadable | grader error
     verdicts: str = "judged"     # the verdict step: judged | timeout | grader error | not run
     seconds: float = 0.0
-    scores: list = field(default_factory=list)    # [(grade_id, points, max, verdict message)]
+    scores: list = field(default_factory=list)    # [(grade_id, points or None: not graded, max, verdict message)]
     checks: dict = field(default_factory=dict)    # {grade_id: (status, message)} of the notebook's check cells
     notes: list = field(default_factory=list)
     lab_note: str = ""
@@ -46,15 +50,23 @@ class Outcome:
 
     @property
     def points(self):
-        return sum(s[1] for s in self.scores)
+        return sum(s[1] for s in self.scores if s[1] is not None)
+
+    @property
+    def not_graded(self) -> list:
+        """The parts that ran out of time: no points recorded (a regrade gives them)."""
+        return [s[0] for s in self.scores if s[1] is None]
 
     @property
     def max_points(self):
         return sum(s[2] for s in self.scores)
 
 
+NOT_GRADED = "not graded: ran out of time"
+
+
 def num(x) -> str:
-    return f"{x:g}"
+    return NOT_GRADED if x is None else f"{x:g}"
 
 
 def safe_name(name: str) -> str:
@@ -62,20 +74,22 @@ def safe_name(name: str) -> str:
 
 
 SUMMARY_COLUMNS = ["student", "lab", "points", "max", "status", "verdicts", "seconds", "file", "name", "lms_id",
-                   "late", "gradebook_status"]
+                   "late", "gradebook_status", "sandbox"]
 GRADEBOOK_COLUMNS = ["student", "lms_id", "name", "email", "points", "max", "status", "late", "files"]
 # The notebook's state (and the verdicts') as the gradebook words it: exceptions apart from real zeros.
 _GRADEBOOK_STATUS = {"unreadable": "resubmission needed", "timeout": "timeout", "kernel died": "kernel died",
                      "grader error": "grader error"}
 
 
-def gradebook_status(status: str, verdicts: str = "judged") -> str:
+def gradebook_status(status: str, verdicts: str = "judged", not_graded=()) -> str:
     """"graded", or the exception that needs the instructor: resubmission needed, timeout, kernel died, grader
-    error."""
+    error, not graded: ran out of time (parts whose verdicts ran out of time)."""
     if status in _GRADEBOOK_STATUS:
         return _GRADEBOOK_STATUS[status]
     if verdicts in ("timeout", "grader error"):
         return verdicts
+    if not_graded:
+        return NOT_GRADED
     return "graded"
 
 
@@ -138,10 +152,15 @@ def gradebook_rows(summary: list, roster: dict | None = None) -> list:
     return rows
 
 
-def write_reports(outcomes: list, out_dir, problems=(), merge: bool = False, roster: dict | None = None) -> None:
+def write_reports(outcomes: list, out_dir, problems=(), merge: bool = False, roster: dict | None = None,
+                  warning: str = "") -> None:
     """gradebook.csv, grades.csv, summary.csv and feedback/<student>.txt (module docstring). merge=False replaces
-    the previous reports; merge=True replaces only the submissions graded now."""
+    the previous reports; merge=True replaces only the submissions graded now. `warning` (e.g. graded without the
+    sandbox) heads every feedback file and problems.txt."""
     out_dir = Path(out_dir)
+    problems = ([warning] if warning else []) + list(problems) + [
+        f"{o.student} {o.lab}: part {part} {NOT_GRADED} — regrade it: make regrade SUBMISSIONS='{o.path}'"
+        for o in outcomes for part in o.not_graded]
     out_dir.mkdir(parents=True, exist_ok=True)
     graded_now = {(o.student, o.lab) for o in outcomes}
     grades, summary = [], []
@@ -155,7 +174,8 @@ def write_reports(outcomes: list, out_dir, problems=(), merge: bool = False, ros
         summary.append({"student": o.student, "lab": o.lab, "points": num(o.points), "max": num(o.max_points),
                         "status": o.status, "verdicts": o.verdicts, "seconds": f"{o.seconds:.1f}", "file": str(o.path),
                         "name": o.name, "lms_id": o.lms_id, "late": "yes" if o.late else "",
-                        "gradebook_status": gradebook_status(o.status, o.verdicts)})
+                        "gradebook_status": gradebook_status(o.status, o.verdicts, o.not_graded),
+                        "sandbox": "no" if warning else "yes"})
     order = {}
     for o in outcomes:  # a part's rows stay in the lab's order
         for index, (grade_id, *_) in enumerate(o.scores):
@@ -173,7 +193,8 @@ def write_reports(outcomes: list, out_dir, problems=(), merge: bool = False, ros
     for o in outcomes:
         by_student.setdefault(o.student, []).append(o)
     for student, mine in by_student.items():
-        (feedback / f"{safe_name(student)}.txt").write_text(feedback_text(student, mine))
+        (feedback / f"{safe_name(student)}.txt").write_text((warning + "\n\n" if warning else "")
+                                                            + feedback_text(student, mine))
     if merge:
         if problems:
             with open(out_dir / "problems.txt", "a") as f:
@@ -212,11 +233,11 @@ def feedback_text(student: str, outcomes: list) -> str:
         for note in o.notes:
             lines.append(f"  note: {plain(note)}")
         for grade_id, points, most, message in o.scores:
-            mark = "✓" if points == most else "✗"
+            mark = "?" if points is None else "✓" if points == most else "✗"
             lines.append(f"  {mark} {grade_id}: {num(points)} / {num(most)}")
             for line in plain(message).splitlines()[:25]:
                 lines.append(f"      {line}")
-            extra = _check_line(points == most, o.checks.get(grade_id))
+            extra = "" if points is None else _check_line(points == most, o.checks.get(grade_id))
             if extra:
                 lines.append(f"      note: {extra}")
         if o.lab_note:
