@@ -156,8 +156,10 @@ def test_a_wrong_answer_is_named_by_rank_and_case(judged):
 
 
 def test_a_deadlock_fails_its_part_at_the_time_limit(judged):
+    """Every rank waits, none computes: a deadlock scores 0 at once (no retry), on a busy machine too."""
     text = message(judged, "all_gather")
-    assert f"no result after {TASK_TIMEOUT} s while running all_gather at N=2: likely a deadlock" in text
+    assert f"no result after {TASK_TIMEOUT} s while running all_gather at N=2: a deadlock (every rank waiting" in text
+    assert "not graded" not in text
 
 
 def test_a_crashed_rank_fails_its_part_with_its_last_words(judged):

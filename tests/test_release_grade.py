@@ -7,9 +7,10 @@ submission per way a student can go wrong:
     bob     sums instead of averaging                      (flat name bob__lab0_fixture.ipynb)
     carol   correct, renamed file, deleted a test cell       (matched by grade_id, cell put back)
     dave    average hangs with SIGINT ignored and an orphaned grandchild process; ring and chunks correct
-            (a hang runs out of time twice: "not graded: ran out of time", no points recorded, never 0)
+            (it waits, computing nothing, at its time limit: a call that waits forever scores 0 at once)
     erin    average kills its process (os._exit); ring and chunks correct
-    frank   an endless loop in part 2 only (not graded either: ran out of time twice)
+    frank   an endless loop in part 2 only (still computing at its limit, as a busy machine would be: judged
+            again with 2.5 × the limit, then "not graded: ran out of time", no points recorded, never 0)
     grace   prints ~3 MB in part 3 (right, but chatty)
     heidi   average calls a helper from a cell of her own (the notebook sees it, the verdict does not);
             another cell of her own prints where temporary files go
@@ -397,15 +398,14 @@ def test_wrong_submission_loses_exactly_the_part_it_breaks(fixture_grades):
 
 def test_hanging_and_crashing_parts_score_zero_the_others_still_score(fixture_grades):
     summary = fixture_grades["summary"]
-    assert points(fixture_grades, "dave") == {"average": None, "ring": 3, "chunks": 1}
+    assert points(fixture_grades, "dave") == {"average": 0, "ring": 3, "chunks": 1}
     assert summary[("dave", "lab0_fixture")]["status"] == "timeout", "its notebook hung"
     log = (fixture_grades["out"] / "logs" / "dave__lab0_fixture.log").read_text()
     stopped = re.search(r"\[grader: feedback stopped at the time limit after ([\d.]+) s\]", log)
     assert stopped and float(stopped.group(1)) < TIMEOUT + 15, "its notebook was killed at its time limit"
-    assert "average: not graded: ran out of time (no result within 5 s, nor within 12.5 s" in feedback(
-        fixture_grades, "dave")
-    assert "dave lab0_fixture: part average not graded: ran out of time — regrade it: make regrade" in (
-        fixture_grades["out"] / "problems.txt").read_text()
+    assert "no result after 5 s while running average: a call that waits forever (nothing was computing" in \
+        feedback(fixture_grades, "dave"), "judged at the first limit: waiting is wrong on any machine"
+    assert "dave" not in (fixture_grades["out"] / "problems.txt").read_text(), "nothing left to regrade"
     assert summary[("dave", "lab0_fixture")]["gradebook_status"] == "timeout", "its notebook hung"
     assert points(fixture_grades, "erin") == {"average": 0, "ring": 3, "chunks": 1}
     assert summary[("erin", "lab0_fixture")]["status"] == "kernel died"
@@ -429,7 +429,11 @@ def test_hanging_and_crashing_parts_score_zero_the_others_still_score(fixture_gr
 
 def test_endless_loop_loses_only_its_part(fixture_grades):
     assert points(fixture_grades, "frank") == {"average": 2, "ring": None, "chunks": 1}
-    assert "no result after 12.5 s while running ring_neighbours" in feedback(fixture_grades, "frank")
+    text = feedback(fixture_grades, "frank")
+    assert "not graded: ran out of time (no result within 5 s, nor within 12.5 s when judged again)" in text
+    assert "no result after 12.5 s while running ring_neighbours: still computing" in text
+    assert "frank lab0_fixture: part ring not graded: ran out of time — regrade it: make regrade" in (
+        fixture_grades["out"] / "problems.txt").read_text()
     executed = release.read_notebook(fixture_grades["out"] / "executed" / "frank" / "lab0_fixture.ipynb")
     assert "KeyboardInterrupt" in str(executed.cells), "the notebook's cell was interrupted at its time limit"
 
@@ -485,7 +489,8 @@ def test_an_interrupted_grader_leaves_nothing_running(scratch):
             orphan = next((p for p in tree if command_line(p) == "sleep 1000"), None)
             time.sleep(0.2)
         assert orphan is not None, "the verdict never started"
-        folder = orphan.cwd()  # the verdict's working folder, in the submission's private folder
+        folder = Path(orphan.environ()["TMPDIR"])  # the verdict's TMPDIR, in the submission's private folder
+        assert folder.parent.name.startswith("grade-"), folder
         seen.update(p.pid for p in psutil.Process(grader.pid).children(recursive=True))
         grader.send_signal(signal.SIGINT)
         assert grader.wait(timeout=30) == 130
@@ -494,7 +499,7 @@ def test_an_interrupted_grader_leaves_nothing_running(scratch):
             grader.kill()
     alive = [p for p in map(_process, seen) if p is not None and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"left running: {[command_line(p) for p in alive]}"
-    assert not Path(folder).parent.exists(), "the submission's private folder was removed"
+    assert not folder.parent.exists(), "the submission's private folder was removed"
 
 
 def _process(pid):

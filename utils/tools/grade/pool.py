@@ -21,6 +21,8 @@ from .processes import kill_tree
 STARTUP_TIMEOUT = 120.0  # seconds for a pool to import torch and run the solution cells
 MAX_REPLY = 64 << 20     # bytes of tensors one rank may send back for one task
 ERROR_GRACE = 3.0        # seconds the other ranks get to reply after one rank's code raised
+WAIT_WINDOW = 1.0        # at a time limit, seconds over which the processes' states are sampled: deadlock or loop?
+WAIT_SAMPLES = 50
 TAIL = 2000              # characters of a process's own output kept, to explain a crash
 LAST_WORDS = 5.0         # seconds to wait, after a process ended, for its last output and how it ended
 
@@ -174,6 +176,29 @@ class Pool:
         return (f" (its sandbox held {count} processes, against a limit of {limit} processes and threads: a "
                 "process that forks without end?)")
 
+    def _all_waiting(self) -> float | None:
+        """Whether every process of the pool waits (a deadlock, graded 0) rather than computes (out of time, judged
+        again with a longer limit): the largest share of WAIT_SAMPLES state samples, over WAIT_WINDOW seconds, in
+        which one process was running or runnable, if under a half, else None. A runnable process counts as
+        running even while a busy machine gives it no CPU, so the load does not make a loop look like a wait;
+        a rank blocked in a collective wakes only now and then."""
+        import psutil
+
+        try:
+            processes = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return None
+        running = dict.fromkeys(processes, 0)
+        for _ in range(WAIT_SAMPLES):
+            for process in processes:
+                try:
+                    running[process] += process.status() in (psutil.STATUS_RUNNING, psutil.STATUS_WAKING)
+                except psutil.Error:
+                    pass  # ended: it runs no more
+            time.sleep(WAIT_WINDOW / WAIT_SAMPLES)
+        share = max(running.values(), default=0) / WAIT_SAMPLES
+        return share if processes and share < 0.5 else None
+
     def _replies(self, index):
         try:
             while (frame := wire.read_frame(self.results[index], MAX_REPLY)) is not None:
@@ -202,11 +227,21 @@ class Pool:
                 if hang_hint:
                     raise PoolFailure(f"no result after {seconds:g} s while {doing}: {hang_hint}{self._crowd()}",
                                       True) from None
+                share = self._all_waiting()
+                looks = (f"the busiest process was running in {share:.0%} of {WAIT_SAMPLES} looks over "
+                         f"{WAIT_WINDOW:g} s" if share is not None else "")
+                if share is not None and len(ranks) == 1:  # waits for nothing that will come: wrong, graded 0
+                    raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: a call that waits "
+                                      f"forever (nothing was computing: {looks})") from None
+                if share is not None:  # a deadlock: a wrong solution, graded 0 whatever the machine's load
+                    raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: a deadlock (every "
+                                      f"rank waiting for another: {looks}); rank(s) "
+                                      f"{', '.join(map(str, waiting))} never replied") from None
                 if len(ranks) == 1:
-                    raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: an endless loop, "
-                                      f"or a call that waits forever?{self._crowd()}", True) from None
-                raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: likely a deadlock "
-                                  f"(every rank waiting for another) or an endless loop; rank(s) "
+                    raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: still computing "
+                                      f"(an endless loop, or a machine too busy){self._crowd()}", True) from None
+                raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: the ranks were still "
+                                  f"computing (an endless loop, or a machine too busy); rank(s) "
                                   f"{', '.join(map(str, waiting))} never replied{self._crowd()}", True) from None
             if kind == "reply" and index in ranks:
                 replies[index] = data
