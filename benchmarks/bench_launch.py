@@ -33,7 +33,7 @@ TARGET_SECONDS = 0.3  # the launcher's target for a warm launch of 4 ranks on 2 
 
 
 def one_all_reduce():
-    t = torch.ones(1024)
+    t = torch.ones(1024, device=utils.device())
     dist.all_reduce(t)
     return t[0].item()
 
@@ -61,7 +61,7 @@ if sys.argv[1] == "warm":
     utils.warmup.start()                   # what `import utils` does by itself in a notebook kernel
 time.sleep(5)
 def one_all_reduce():
-    t = torch.ones(1024)
+    t = torch.ones(1024, device=utils.device())
     dist.all_reduce(t)
 start = time.perf_counter()
 utils.launch(one_all_reduce, world_size=int(sys.argv[2]))

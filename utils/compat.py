@@ -14,6 +14,7 @@ cell names an argument that some supported torch lacks, and none prints a deprec
                                               before torch 2.8
     compat.HAS_ASYNC_SAVE                     whether torch.distributed.checkpoint has async_save
     compat.set_group_timeout(seconds)         a formed group's collective timeout (a private torch call)
+    compat.nccl_device_options(device)        init_process_group's device_id= for NCCL, where torch takes it
 
 A feature some supported torch lacks has a name in FEATURES; a cell that shows it starts with
 `%%requires NAME` (registered when a notebook imports utils): on a torch without it the cell prints one line
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["all_gather_single", "reduce_scatter_single", "ddp", "tcp_store", "end_group_before_exit", "set_group_timeout",
+           "nccl_device_options",
            "CAN_SET_GROUP_TIMEOUT", "GLOO_DESTROY_CAN_HANG", "FEATURES", "requires",
            "TORCH_VERSION", "HAS_ASYNC_SAVE"]
 
@@ -134,6 +136,18 @@ def set_group_timeout(seconds: float, group=None) -> None:
     """
     from datetime import timedelta
     _SET_PG_TIMEOUT(timedelta(seconds=seconds), group)
+
+
+# init_process_group(device_id=) binds a NCCL group to this rank's GPU at once (eager init: NCCL's communicator is
+# made with the group, and a rank on the wrong GPU fails there, not at its first collective). torch 2.3 added it; the
+# signature is asked anyway, so that a torch without it still starts its groups (lazily).
+_INIT_TAKES_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters
+
+
+def nccl_device_options(device) -> dict:
+    """Keyword arguments for `dist.init_process_group` that bind a NCCL group to `device` (this rank's GPU):
+    `{"device_id": device}`, or `{}` on a torch whose init_process_group does not take it."""
+    return {"device_id": device} if _INIT_TAKES_DEVICE_ID else {}
 
 
 # name: (whether this torch has it, what is missing where it does not), or a function returning that pair

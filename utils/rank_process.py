@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import faulthandler
 import gc
-import inspect
 import io
 import os
 import signal
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat
+from .devices import backend_for
 from .shipping import describe_exception, dumps, to_cpu
 
 RANK_MARKER = "COURSE_LAUNCHED_RANK"  # set inside ranks that launch() started
@@ -55,11 +55,7 @@ def _rank_main(spec, result_conn, control_conn):
     torch.set_num_threads(spec["threads"])
     dist.set_debug_level_from_env()  # torch was imported before the notebook set the variable
     try:
-        options = {}
-        if spec["backend"] == "nccl":
-            torch.cuda.set_device(rank)
-            if "device_id" in inspect.signature(dist.init_process_group).parameters:
-                options["device_id"] = torch.device("cuda", rank)  # NCCL then knows each rank's GPU
+        options = _device_options(spec["backend"], rank)
         # How long a collective waits for its peers before it fails: set once the group formed where torch can,
         # so that it does not bound the start-up barrier too (ranks of a busy machine arrive seconds apart).
         late_timeout = spec["group_timeout"] is not None and compat.CAN_SET_GROUP_TIMEOUT
@@ -85,6 +81,16 @@ def _rank_main(spec, result_conn, control_conn):
     sys.stderr.flush()
     result_conn.send(("ok", body))
     os._exit(0)
+
+
+def _device_options(backend, local_rank):
+    """Before a NCCL group forms: make `local_rank`'s GPU this process's current one and return the options that
+    bind the group to it (device_id, where torch takes it). Nothing for gloo."""
+    if backend != "nccl":
+        return {}
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return compat.nccl_device_options(device)
 
 
 def _connect_output(rank, port):
@@ -113,11 +119,9 @@ def run_under_torchrun(fn, args, kwargs, backend):
     """torchrun started this process as one rank: run fn here and gather every rank's result."""
     created = not dist.is_initialized()
     if created:
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        if backend == "auto":  # as launch() decides: NCCL only when each of this node's ranks has its own GPU
+            backend = backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+        dist.init_process_group(backend, **_device_options(backend, int(os.environ.get("LOCAL_RANK", 0))))
     try:
         result = to_cpu(fn(*args, **kwargs))
         results = [None] * dist.get_world_size()

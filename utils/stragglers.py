@@ -42,7 +42,9 @@ def find_stragglers(per_rank: list, rel: float = 0.2, k: float = 6.0) -> list:
 def gather_per_rank(values, group=None) -> list:
     """All-gather a list of floats (the same length on every rank): returns every rank's list, in rank order."""
     import torch.distributed as dist
-    mine = torch.tensor(list(values), dtype=torch.float64)
+
+    from .devices import device
+    mine = torch.tensor(list(values), dtype=torch.float64, device=device())   # NCCL: on this rank's GPU
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return [t.tolist() for t in everyone]

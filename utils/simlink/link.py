@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
+from ..devices import device
 from . import table as _table
 from .futures import FutureCompletion, fine_sleep
 
@@ -179,7 +180,7 @@ class SimulatedLink(FutureCompletion):
         """
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
-        probe, late = torch.zeros(max(1, nbytes // 4)), []
+        probe, late = torch.zeros(max(1, nbytes // 4), device=device()), []
         for _ in range(repeats):
             dist.barrier(group=self.group)
             work = self.all_reduce(probe, async_op=True)
@@ -187,7 +188,7 @@ class SimulatedLink(FutureCompletion):
                 compute()
             work.wait()
             late.append(work.done - work.end)
-        mine = torch.tensor(late, dtype=torch.float64)
+        mine = torch.tensor(late, dtype=torch.float64, device=device())
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(everyone, mine, group=self.group)
         xs = sorted(torch.cat(everyone).tolist())

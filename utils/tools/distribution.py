@@ -15,7 +15,7 @@ DIR receives exactly
     utils/               the course's package, without the grader (utils/tools/grade/: verdicts, hidden
                          cases, the private reference formulas) and without the release tools
 and nothing else. Every Colab badge opens the notebook in the student repository (github/OWNER/NAME/blob/
-BRANCH/...), and every setup cell's COURSE_REPO clones that repository. Labs sit in labs/ beside utils/, where
+BRANCH/...), and every setup cell clones that repository's BRANCH (COURSE_REPO; `--branch`). Labs sit in labs/ beside utils/, where
 their setup cell looks for it (Path.cwd().parent). An existing DIR is replaced, except its .git folder, so the
 command can refresh a clone of the student repository in place.
 """

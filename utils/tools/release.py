@@ -57,6 +57,9 @@ _MARKER_WORDS = re.compile(r"(BEGIN|END)[ \t]+(SOLUTION|HIDDEN TESTS)")
 _COLAB_URL = re.compile(r"https://colab\.research\.google\.com/github/(?P<owner>[\w.-]+)/(?P<repo>[\w.-]+)"
                         r"/blob/[^\s)\"'<>]+")
 _COURSE_REPO_LINE = re.compile(r"^(?P<lead>[ \t]*COURSE_REPO[ \t]*=[ \t]*)(?P<quote>[\"'])[^\"'\n]*(?P=quote)", re.M)
+# The setup cell's clone command ("git", "clone", ...), with the branch a student copy adds to it, if there is one.
+_CLONE_COMMAND = re.compile(r"(?P<clone>(?P<q>[\"'])git(?P=q),[ \t]*(?P=q)clone(?P=q),)"
+                            r"(?P<branch>[ \t]*(?P=q)--branch(?P=q),[ \t]*(?P=q)[^\"'\n]*(?P=q),)?")
 _GITHUB_REPO = re.compile(r"^https://github\.com/(?P<owner>[\w.-]+)/(?P<repo>[\w.-]+?)(\.git)?/?$")
 _BRANCH = re.compile(r"^[\w./-]+$")
 DEFAULT_STUDENT_REPO = "https://github.com/dp-from-scratch/dp-from-scratch-student"
@@ -178,7 +181,8 @@ def check_student_repo(url: str, branch: str = "main") -> None:
 def rewrite_links(source: str, cell_type: str, lab_file: str, student_repo: str, branch: str = "main",
                   folder: str = "labs") -> str:
     """source with this notebook's Colab badge pointing at <folder>/<lab_file> in the student repository and
-    (code cells) COURSE_REPO = that repository."""
+    (code cells) COURSE_REPO = that repository, cloned at `branch` (the badge's: a clone without --branch would
+    take the repository's default branch, which may be another)."""
     repo = _GITHUB_REPO.match(student_repo)
     target = (f"https://colab.research.google.com/github/{repo['owner']}/{repo['repo']}/blob/{branch}/"
               f"{folder}/{lab_file}")
@@ -186,13 +190,21 @@ def rewrite_links(source: str, cell_type: str, lab_file: str, student_repo: str,
         return _COLAB_URL.sub(lambda m: target if m.group(0).rsplit("/", 1)[-1] == lab_file else m.group(0), source)
     if cell_type == "code":
         clean = f"https://github.com/{repo['owner']}/{repo['repo']}"
-        return _COURSE_REPO_LINE.sub(lambda m: f"{m['lead']}{m['quote']}{clean}{m['quote']}", source)
+        rewritten, found = _COURSE_REPO_LINE.subn(lambda m: f"{m['lead']}{m['quote']}{clean}{m['quote']}", source)
+        if found and "clone" in source:
+            rewritten, clones = _CLONE_COMMAND.subn(
+                lambda m: f"{m['clone']} {m['q']}--branch{m['q']}, {m['q']}{branch}{m['q']},", rewritten)
+            if not clones:
+                raise LabFormatError(f"{lab_file}: a setup cell names COURSE_REPO and clones, but not with a "
+                                     '["git", "clone", ...] command this release can point at its branch')
+        return rewritten
     return source
 
 
 def without_links(source: str) -> str:
     """source with the links rewrite_links changes blanked: for telling a released cell from the reference's."""
-    return _COURSE_REPO_LINE.sub("COURSE_REPO = ...", _COLAB_URL.sub("<colab>", source))
+    return _CLONE_COMMAND.sub(lambda m: m["clone"],
+                              _COURSE_REPO_LINE.sub("COURSE_REPO = ...", _COLAB_URL.sub("<colab>", source)))
 
 
 def solution_functions(nb) -> set:
