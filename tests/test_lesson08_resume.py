@@ -28,10 +28,11 @@ def lesson():
     return namespace
 
 
-def bitwise_claim(lesson, folder, leave_out=()):
+def bitwise_claim(lesson, folder, leave_out=(), derive=None):
     straight = utils.launch(lesson["train_run"], 6, folder, world_size=4)
     utils.launch(lesson["train_run"], 3, folder, save_at=3, world_size=4)
-    resumed = utils.launch(lesson["train_run"], 6, folder, resume=True, leave_out=leave_out, world_size=4)
+    resumed = utils.launch(lesson["train_run"], 6, folder, resume=True, leave_out=leave_out, derive=derive,
+                           world_size=4)
     part, diff = lesson["compare_runs"](straight, resumed, 4)
     check(part is None, "resumed run bitwise equal to the straight one", f"they part at step {part} by {diff:.3g}")
 
@@ -46,3 +47,18 @@ def test_check_fails_when_an_item_is_left_out(lesson, item):
     with tempfile.TemporaryDirectory() as folder:
         with pytest.raises(AssertionError, match="part at step 4"):
             bitwise_claim(lesson, folder, leave_out=(item,))
+
+
+def test_state_derived_from_the_step_resumes_bitwise_and_the_check_can_fail(lesson):
+    """Section 1 sets the sampler and the schedule from the step instead of loading them: the lesson's derivation
+    resumes bitwise, and one that is a step off parts at the first resumed step."""
+    cell = next(c for c in json.loads(LESSON.read_text())["cells"]
+                if "".join(c["source"]).startswith("def sampler_state_after"))
+    exec("".join(cell["source"]).split("\nderived = ")[0], lesson)          # its definitions, not its run
+    right = lesson["from_the_step"]
+    with tempfile.TemporaryDirectory() as folder:
+        bitwise_claim(lesson, folder, leave_out=("sampler", "schedule"), derive=right)
+    with tempfile.TemporaryDirectory() as folder:
+        with pytest.raises(AssertionError, match="part at step 4"):
+            bitwise_claim(lesson, folder, leave_out=("sampler", "schedule"),
+                          derive=lambda sampler, schedule, step: right(sampler, schedule, step + 1))

@@ -17,7 +17,7 @@ ranks stuck in a collective that never notices. Its SIGTERM is logged whenever i
 all-reduce has failed. Each rank checkpoints its own state (model, AdamW, step, its
 dropout RNG) into RUN/step<S>-rank<R>.pt (written durably: temporary file, fsync, rename, fsync of the folder); RUN/latest names
 the last step that every rank finished writing.
-Events (process launched, imports done, group formed, resume, death, lost peer, stopped, end; wall-clock times) go to
+Events (process launched, imports done, group formed, model built, resume, death, lost peer, stopped, end; wall-clock times) go to
 RUN/events.log, one line each, for the lesson to measure redone steps and restart cost. Rank 0 ends by printing
 the sha256 of the final parameters.
 """
@@ -128,6 +128,7 @@ def train(folder: Path, steps: int, every: int, die_at: int | None = None, seed:
     model = GPT(config)
     torch.manual_seed(seed + 1 + rank)                       # each rank's own dropout stream
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    log(folder, "built")                                     # model and optimizer ready: the load is timed apart
     step = 0
     latest = folder / "latest"
     if latest.exists():
