@@ -9,6 +9,9 @@ on gloo only says so where it calls: a `# gloo only` comment on the collective's
 
 The second part: a NCCL group is bound to its rank's GPU when it forms (init_process_group(device_id=)), both in the
 ranks utils.launch starts and under torchrun.
+
+The third part (at the end): a rank's models and batches are moved to its device before they compute gradients
+that DDP or an all-reduce hands to NCCL.
 """
 from __future__ import annotations
 
