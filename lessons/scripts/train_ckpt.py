@@ -8,7 +8,9 @@ Lesson 08 runs it under torchrun, which restarts every worker when one dies:
 
 (The first variable gives each attempt a fresh store: in the store torchrun shares with its workers, restarted
 workers can read the dead ones' addresses and fail or hang forming their group, pytorch/pytorch#135712. The second
-keeps gloo on the loopback interface.)
+keeps gloo on the loopback interface.) The group is gloo unless --backend says otherwise; with --backend nccl
+(one GPU per local rank) the model, batches and gradients live on cuda:LOCAL_RANK, and digests and RNG states are
+read back to the CPU.
 
 With --die-at S, rank 1 kills itself with SIGKILL after S steps, the first time only (a marker file in --folder
 remembers it died). The other rank's next all-reduce fails (gloo sees the closed connection); it logs that and
@@ -42,6 +44,8 @@ try:
 except ImportError:  # running from a checkout that was not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from utils import compat
+from utils.devices import backend_for, device
+from utils.rank_process import _device_options
 from utils.data import MarkovSource
 from utils.model import GPT, GPTConfig
 
@@ -57,7 +61,7 @@ def log(folder: Path, text: str) -> None:
 def parameter_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())   # the same bytes from any device
     return digest.hexdigest()[:16]
 
 
@@ -84,6 +88,9 @@ def save(folder: Path, step: int, model, optimizer) -> None:
     rank = dist.get_rank()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
              "rng": torch.get_rng_state()}
+    where = next(model.parameters()).device
+    if where.type == "cuda":                                 # dropout on a GPU draws from the CUDA generator
+        state["cuda_rng"] = torch.cuda.get_rng_state(where)
     durable_replace(lambda f: torch.save(state, f), folder / f"step{step}-rank{rank}.pt")
     dist.barrier()                                           # every rank has written step `step`
     if rank == 0:
@@ -97,13 +104,20 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=4, help="checkpoint after every EVERY steps")
     parser.add_argument("--die-at", type=int, default=None, help="rank 1 kills itself after this many steps, the first time only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=("gloo", "nccl", "auto"), default="gloo",
+                        help="gloo (default: a dead peer shows as a closed connection, which the lesson relies on); "
+                             "nccl: one GPU per local rank; auto: nccl when each local rank has its own GPU")
     args = parser.parse_args()
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     with open(args.folder / "events.log", "a") as f:               # before the group: a hang there leaves a pid
         f.write(f"{LAUNCHED:.6f} rank{os.environ['RANK']} launched attempt={attempt} pid={os.getpid()}\n")
         f.write(f"{IMPORTED:.6f} rank{os.environ['RANK']} imported attempt={attempt}\n")
-    dist.init_process_group("gloo")
+    backend = args.backend
+    if backend == "auto":                                    # as utils.launch decides, per node
+        backend = backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+    # NCCL: set_device(cuda:LOCAL_RANK) and bind the group to it, as utils.rank_process does under torchrun
+    dist.init_process_group(backend, **_device_options(backend, int(os.environ.get("LOCAL_RANK", 0))))
     log(args.folder, f"start attempt={attempt}")
     # Installed now, not when a peer is lost: torchrun's SIGTERM may come before this rank's all-reduce fails.
     signal.signal(signal.SIGTERM, lambda *_: (log(args.folder, "stopped by=SIGTERM"), os._exit(143)))
@@ -125,7 +139,8 @@ def train(folder: Path, steps: int, every: int, die_at: int | None = None, seed:
     source = MarkovSource(seed=seed)
     config = GPTConfig(vocab_size=source.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
     torch.manual_seed(seed)
-    model = GPT(config)
+    where = device()                                         # cuda:LOCAL_RANK under NCCL, else the CPU
+    model = GPT(config).to(where)                            # built on the CPU first: the same weights anywhere
     torch.manual_seed(seed + 1 + rank)                       # each rank's own dropout stream
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     log(folder, "built")                                     # model and optimizer ready: the load is timed apart
@@ -133,10 +148,12 @@ def train(folder: Path, steps: int, every: int, die_at: int | None = None, seed:
     latest = folder / "latest"
     if latest.exists():
         step = int(latest.read_text())
-        state = torch.load(folder / f"step{step}-rank{rank}.pt")
+        state = torch.load(folder / f"step{step}-rank{rank}.pt", map_location=where)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state["rng"].cpu())
+        if "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), where)
         log(folder, f"resumed step={step}")
 
     params = list(model.parameters())
@@ -147,7 +164,7 @@ def train(folder: Path, steps: int, every: int, die_at: int | None = None, seed:
             marker.write_text("")
             log(folder, f"killed step={step}")
             os.kill(os.getpid(), signal.SIGKILL)             # a real death: no exception, no cleanup
-        inputs, targets = source.batch(step, 2, 16, rank, world)
+        inputs, targets = (t.to(where) for t in source.batch(step, 2, 16, rank, world))
         loss = model(inputs, targets)
         optimizer.zero_grad()
         loss.backward()
