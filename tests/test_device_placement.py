@@ -37,7 +37,7 @@ GLOO_ONLY = {"utils/tools/linkbench.py": "its ranks form gloo groups (namespace 
              "benchmarks/bench_cluster_link.py": "its ranks are linkbench's",
              "benchmarks/bench_simlink.py": "it measures gloo (launch(backend='gloo'))"}
 # lessons another branch of issue 35 fixes: their findings are expected here until it is merged (then: remove)
-PENDING = {"lessons/06_zero.ipynb", "lessons/07_scaling.ipynb"}
+PENDING = set()
 
 
 def _unplaced(node) -> bool:
@@ -184,7 +184,7 @@ def paced_steps(steps, device):
 # It must then place its model or be launched with backend="gloo". Collectives hidden in a library (DDP, FSDP)
 # and helpers defined in other files are not followed: those the first check and a GPU run have to catch.
 # lessons whose launches another branch of issue 35 fixes (then: remove)
-PENDING_LAUNCHES = {"lessons/04_bucketing_and_overlap.ipynb", "lessons/06_zero.ipynb", "lessons/07_scaling.ipynb"}
+PENDING_LAUNCHES = {"lessons/06_zero.ipynb"}
 
 
 def _launched(call) -> str | None:
@@ -408,7 +408,7 @@ def unmoved(trees) -> list[tuple[int, str]]:
 
 
 # notebooks whose findings other branches of issue 35 fix (then: remove); this check found them
-PENDING_MODELS = {"lessons/06_zero.ipynb", "lessons/07_scaling.ipynb", "lessons/08_checkpoints_and_failures.ipynb"}
+PENDING_MODELS = {"lessons/06_zero.ipynb", "lessons/07_scaling.ipynb"}
 
 
 @pytest.mark.parametrize("notebook", SOURCES)
