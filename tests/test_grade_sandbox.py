@@ -246,3 +246,19 @@ def test_an_honest_submission_keeps_its_exact_points(attacked):
     assert attacked["points"]["alice"] == {"average": "2", "ring": "3", "chunks": "1"}
     assert "WARNING" not in attacked["feedback"]["alice"]
     print(attacked["log"])
+
+
+def test_a_virtualenv_reached_through_a_symlink_starts_the_sandbox(tmp_path):
+    """A grader whose Python is a symlinked virtualenv (a worktree sharing one) still starts its sandbox: before, bwrap
+    could not find `<link>/bin/python` and the grader refused, blaming a missing bubblewrap."""
+    import subprocess
+    import sys
+
+    if sandbox_arguments():
+        pytest.skip("the grader's sandbox cannot start here (bubblewrap: INSTRUCTORS.md, 'The sandbox')")
+    link = tmp_path / "venv"
+    link.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
+    python = link / "bin" / Path(sys.executable).name
+    done = subprocess.run([str(python), "-c", "from utils.tools.grade import sandbox; sandbox.Sandbox().close()"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-600:]

@@ -43,6 +43,9 @@ UNSANDBOXED_WARNING = ("WARNING: graded without the sandbox (--no-sandbox): stud
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install "
                 "bubblewrap), and on Ubuntu 23.10 or later allow it user namespaces (INSTRUCTORS.md, 'The sandbox'); "
                 "or grade without it, at your own risk: --no-sandbox")
+START_HINT = ("bubblewrap needs user namespaces (as root, or on Ubuntu 23.10 or later allowed to an ordinary user: "
+              "INSTRUCTORS.md, 'The sandbox'), and the Python that grades must lie in folders the sandbox shows "
+              "(a virtualenv, or the system's); or grade without it, at your own risk: --no-sandbox")
 
 
 @dataclass
@@ -148,7 +151,7 @@ class Sandbox:
             shutil.rmtree(folder, ignore_errors=True)
         if done.returncode != 0 or done.stdout.split() != ["confined", str(view.uid or os.getuid())]:
             why = (done.stderr.strip().splitlines() or [done.stdout.strip() or "no message"])[-1][:300]
-            raise SandboxUnavailable(f"bubblewrap is installed but could not start a sandbox ({why}): {INSTALL_HINT}")
+            raise SandboxUnavailable(f"bubblewrap is installed but could not start a sandbox ({why}): {START_HINT}")
 
     def close(self):
         self.stage.close()
@@ -162,6 +165,9 @@ class Sandbox:
         args = [bwrap(), "--die-with-parent", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--hostname", "grader", *_system_binds(), "--proc", "/proc", "--dev", "/dev"]
         binds = [("--ro-bind", path, path) for path in self.pythons]
+        prefix = Path(sys.prefix).absolute()   # a virtualenv reached through a symlink: seen where it is named
+        if prefix.resolve() != prefix and prefix.resolve() in self.pythons:
+            binds.append(("--ro-bind", prefix.resolve(), prefix))
         binds += [("--ro-bind", self.stage.folder / "utils", REPO_ROOT / "utils"), ("--bind", private, private)]
         made = set()
         for _, _, target in binds:  # the folders above each mount point: traversable by the submission's user
