@@ -39,6 +39,7 @@ from .processes import (become_subreaper, child_environment, die_with_parent, ex
 from .verdicts import InProcess, OnRanks, Result, load_module
 
 MAX_PROBLEMS = 5         # problem lines per failed part in the feedback
+RANK_TIMEOUT_MARGIN = 60.0  # seconds a rank's collectives wait beyond the checker's limit (it kills them first)
 RETRY_FACTOR = 2.5       # a part that ran out of time is judged once more with this many times the limit
 
 
@@ -90,8 +91,10 @@ def _frames(grade_id, n, cases, prefix, task_timeout) -> dict:
                 descriptor["offset"] += len(payload)
             payload += raw
             headers.append({"params": case.params, "tensors": descriptors})
+        # The ranks' own collectives wait longer than the checker: at its limit they are still blocked, so what
+        # the checker sees then (pool.py: waiting or computing) is the submission's state, not their timeout's.
         frames[rank] = ({"part": grade_id, "world_size": n, "rank": rank, "prefix": prefix,
-                         "timeout": task_timeout, "cases": headers}, payload)
+                         "timeout": task_timeout + RANK_TIMEOUT_MARGIN, "cases": headers}, payload)
     return frames
 
 

@@ -23,6 +23,8 @@ MAX_REPLY = 64 << 20     # bytes of tensors one rank may send back for one task
 ERROR_GRACE = 3.0        # seconds the other ranks get to reply after one rank's code raised
 WAIT_WINDOW = 1.0        # at a time limit, seconds over which the processes' states are sampled: deadlock or loop?
 WAIT_SAMPLES = 50
+WAITING_SHARE = 0.25     # under this share of looks running, a process waits; a loop runs in ~all of them, busy
+                         # machine or not; in between counts as computing (judged again, never a wrong 0)
 TAIL = 2000              # characters of a process's own output kept, to explain a crash
 LAST_WORDS = 5.0         # seconds to wait, after a process ended, for its last output and how it ended
 
@@ -179,7 +181,7 @@ class Pool:
     def _all_waiting(self) -> float | None:
         """Whether every process of the pool waits (a deadlock, graded 0) rather than computes (out of time, judged
         again with a longer limit): the largest share of WAIT_SAMPLES state samples, over WAIT_WINDOW seconds, in
-        which one process was running or runnable, if under a half, else None. A runnable process counts as
+        which one process was running or runnable, if under WAITING_SHARE, else None. A runnable process counts as
         running even while a busy machine gives it no CPU, so the load does not make a loop look like a wait;
         a rank blocked in a collective wakes only now and then."""
         import psutil
@@ -197,7 +199,7 @@ class Pool:
                     pass  # ended: it runs no more
             time.sleep(WAIT_WINDOW / WAIT_SAMPLES)
         share = max(running.values(), default=0) / WAIT_SAMPLES
-        return share if processes and share < 0.5 else None
+        return share if processes and share < WAITING_SHARE else None
 
     def _replies(self, index):
         try:
