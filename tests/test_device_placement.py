@@ -33,8 +33,7 @@ GLOO_ONLY = {"utils/tools/linkbench.py": "its ranks form gloo groups (namespace 
              "benchmarks/bench_cluster_link.py": "its ranks are linkbench's",
              "benchmarks/bench_simlink.py": "it measures gloo (launch(backend='gloo'))"}
 # lessons another branch of issue 35 fixes: their findings are expected here until it is merged (then: remove)
-PENDING = {"lessons/03_allreduce_from_scratch.ipynb", "lessons/06_zero.ipynb", "lessons/07_scaling.ipynb",
-           "lessons/08_checkpoints_and_failures.ipynb"}
+PENDING = {"lessons/03_allreduce_from_scratch.ipynb", "lessons/08_checkpoints_and_failures.ipynb"}
 
 
 def _unplaced(node) -> bool:
