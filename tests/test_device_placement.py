@@ -184,7 +184,7 @@ def paced_steps(steps, device):
 # It must then place its model or be launched with backend="gloo". Collectives hidden in a library (DDP, FSDP)
 # and helpers defined in other files are not followed: those the first check and a GPU run have to catch.
 # lessons whose launches another branch of issue 35 fixes (then: remove)
-PENDING_LAUNCHES = {"lessons/06_zero.ipynb"}
+PENDING_LAUNCHES = set()
 
 
 def _launched(call) -> str | None:
@@ -365,6 +365,9 @@ def unmoved(trees) -> list[tuple[int, str]]:
         parent = call.parent
         if isinstance(parent, ast.Attribute) and parent.attr in MOVES:
             return True
+        if (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id in movers
+                and call in parent.args):               # passed to a notebook function that moves what it returns
+            return True
         if is_model(call) and any(k.arg == "device" for k in call.keywords):
             return True
         if isinstance(parent, ast.comprehension) and parent.iter is call:
@@ -374,6 +377,10 @@ def unmoved(trees) -> list[tuple[int, str]]:
             return any(_moved_call(n) and isinstance(n.func.value, ast.Name) and n.func.value.id in names
                        and n.lineno >= parent.lineno for n in ast.walk(scope))
         return False
+
+    movers = {name for name, fn in functions.items()   # e.g. on_device(batch): returns `.to(...)`s of its input
+              if any(isinstance(n, ast.Return) and n.value is not None and any(map(_moved_call, ast.walk(n.value)))
+                     for n in ast.walk(fn))}
 
     def factory(fn):                               # returns a model unmoved: the caller must move it
         return any(isinstance(n, ast.Return) and isinstance(n.value, ast.Call) and is_model(n.value)
@@ -408,7 +415,7 @@ def unmoved(trees) -> list[tuple[int, str]]:
 
 
 # notebooks whose findings other branches of issue 35 fix (then: remove); this check found them
-PENDING_MODELS = {"lessons/06_zero.ipynb", "lessons/07_scaling.ipynb"}
+PENDING_MODELS = set()
 
 
 @pytest.mark.parametrize("notebook", SOURCES)
