@@ -29,7 +29,10 @@ def child_environment(tmpdir, **extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in _RANK_ENVIRONMENT and not k.startswith("TORCHELASTIC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.update(TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
+    env.update(TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1", PYDEVD_DISABLE_FILE_VALIDATION="1",
+               # torch._dynamo, imported by a rank's first optimizer, makes its cache folder: inside the private one
+               # (a clean-clone run under load once found it at /tmp/torchinductor_root, read-only in the sandbox)
+               TORCHINDUCTOR_CACHE_DIR=str(Path(tmpdir) / "torchinductor"))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
