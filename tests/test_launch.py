@@ -261,7 +261,21 @@ def test_hang_times_out_with_every_ranks_stack_and_kills_grandchildren(tmp_path)
     assert message.count("dist.barrier()") == 2 and "time.sleep(300)" in message
     assert "0x" not in message and REPO not in message
     children = [int(open(tmp_path / f"pid-child-{r}").read()) for r in range(3)]
-    assert not wait_gone(pids_in(tmp_path) + children)
+    left = wait_gone(pids_in(tmp_path) + children)
+    assert not left, f"still running (a load-only failure once: say what they are): {describe(set(left))}"
+
+
+def describe(pids) -> list:
+    """pid, state, parent, process group and command of each pid: what a failed 'nothing left' check needs."""
+    out = []
+    for pid in sorted(pids):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()
+            command = open(f"/proc/{pid}/cmdline").read().replace("\0", " ").strip()
+            out.append(f"{pid}: state {stat[0]}, parent {stat[1]}, group {stat[2]}, session {stat[3]}: {command}")
+        except OSError:
+            out.append(f"{pid}: gone")
+    return out
 
 
 def test_next_launch_works_after_failures():
