@@ -48,8 +48,9 @@ from utils.devices import backend_for, device
 from utils.rank_process import _device_options
 from utils.data import MarkovSource
 from utils.model import GPT, GPTConfig
+import torch._dynamo  # noqa: E402,F401  what the first torch.optim constructor would import (seconds): counted here
 
-IMPORTED = time.time()                                       # torch and the course's modules loaded
+IMPORTED = time.time()                                       # torch, torch._dynamo and the course's modules loaded
 
 
 def log(folder: Path, text: str) -> None:
