@@ -11,133 +11,23 @@ The second part: a function that all-reduces gradients and places nothing on a d
 may get NCCL. The third part: a NCCL group is bound to its rank's GPU when it forms (init_process_group(device_id=)), both in the
 ranks utils.launch starts and under torchrun.
 
-The third part (at the end): a rank's models and batches are moved to its device before they compute gradients
-that DDP or an all-reduce hands to NCCL.
+The fourth part (at the end): a rank's models and batches are moved to its device before they compute gradients
+that DDP or an all-reduce hands to NCCL. The rules themselves are in tests/device_rules.py.
 """
 from __future__ import annotations
 
 import ast
-import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from IPython.core.inputtransformer2 import TransformerManager
 
-ROOT = Path(__file__).resolve().parents[1]
-COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-               "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "gather", "scatter", "send",
-               "recv", "isend", "irecv", "all_to_all", "all_to_all_single", "P2POp"}
-FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "arange",
-             "linspace", "eye"}
-EXEMPT = "# gloo only"
-# files whose collectives run on gloo only, and why
-GLOO_ONLY = {"utils/tools/linkbench.py": "its ranks form gloo groups (namespace nodes)",
-             "benchmarks/bench_cluster_link.py": "its ranks are linkbench's",
-             "benchmarks/bench_simlink.py": "it measures gloo (launch(backend='gloo'))"}
-# lessons another branch of issue 35 fixes: their findings are expected here until it is merged (then: remove)
-PENDING = set()
-
-
-def _unplaced(node) -> bool:
-    """Whether `node` makes a tensor (or a list of them) without saying it goes on the rank's device."""
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return any(_unplaced(e) for e in node.elts)
-    if isinstance(node, (ast.ListComp, ast.GeneratorExp)):
-        return _unplaced(node.elt)
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FACTORIES
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"):
-        return False
-    device = next((k.value for k in node.keywords if k.arg == "device"), None)
-    if device is None:
-        return True
-    cpu = ast.unparse(device).replace("'", '"')
-    return cpu in ('"cpu"', 'torch.device("cpu")')
-
-
-def _collective(call) -> str | None:
-    name = (call.func.attr if isinstance(call.func, ast.Attribute) else
-            call.func.id if isinstance(call.func, ast.Name) else None)
-    return name if name in COLLECTIVES else None
-
-
-def _bindings(scope):
-    """name → [(line, whether the value assigned there is an unplaced tensor)], in the scope's whole subtree."""
-    bound = {}
-    for node in ast.walk(scope):
-        if isinstance(node, ast.Assign):
-            pairs = []
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    pairs.append((target.id, node.value))
-                elif (isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
-                      and len(target.elts) == len(node.value.elts)):
-                    pairs += [(t.id, v) for t, v in zip(target.elts, node.value.elts) if isinstance(t, ast.Name)]
-                elif isinstance(target, ast.Tuple):
-                    pairs += [(t.id, None) for t in target.elts if isinstance(t, ast.Name)]
-            for name, value in pairs:
-                bound.setdefault(name, []).append((node.lineno, value is not None and _unplaced(value)))
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
-            value = getattr(node, "value", None)
-            bound.setdefault(node.target.id, []).append((node.lineno, value is not None and _unplaced(value)))
-    return bound
-
-
-def _reaches(arg, line, bound) -> bool:
-    if _unplaced(arg):
-        return True
-    if isinstance(arg, (ast.List, ast.Tuple)):
-        return any(_reaches(e, line, bound) for e in arg.elts)
-    if isinstance(arg, ast.Starred):
-        return _reaches(arg.value, line, bound)
-    if isinstance(arg, ast.Name):
-        before = [unplaced for at, unplaced in bound.get(arg.id, []) if at <= line]
-        return bool(before) and before[-1]
-    return False
-
-
-def findings(source: str) -> list[str]:
-    """'line N: collective(name) gets a tensor made without the rank's device' for each offence in `source`."""
-    lines = source.splitlines()
-    tree = ast.parse(source)
-    scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
-    found = set()
-    for scope in scopes:
-        bound = _bindings(scope)
-        for call in (n for n in ast.walk(scope) if isinstance(n, ast.Call)):
-            name = _collective(call)
-            if name is None or EXEMPT in lines[call.lineno - 1]:
-                continue
-            for arg in [*call.args, *(k.value for k in call.keywords)]:
-                if _reaches(arg, call.lineno, bound):
-                    found.add(f"line {call.lineno}: {name}({ast.unparse(arg)}) gets a tensor made without the "
-                              "rank's device")
-    return sorted(found, key=lambda f: int(f.split()[1].rstrip(":")))
-
-
-def _code_cells(path: Path):
-    for index, cell in enumerate(json.loads(path.read_text())["cells"]):
-        if cell["cell_type"] == "code":
-            source = "".join(cell["source"])
-            if source.startswith("%%"):   # a cell magic (%%requires, %%time ...): its body is Python
-                source = "\n" + source.split("\n", 1)[-1]
-            yield index, cell.get("id"), TransformerManager().transform_cell(source)   # line magics, ! lines
-
-
-SOURCES = sorted([*map(str, (ROOT / "lessons").glob("*.ipynb")), *map(str, (ROOT / "labs").glob("*.ipynb"))])
-SOURCES = [os.path.relpath(p, ROOT) for p in SOURCES]
-PY_SOURCES = sorted(os.path.relpath(p, ROOT) for folder in ("utils", "lessons/scripts", "benchmarks")
-                    for p in (ROOT / folder).rglob("*.py"))
-
+from device_rules import (GLOO_ONLY, PY_SOURCES, ROOT, SOURCES, _code_cells, findings, launch_findings,
+                          unmoved)
 
 @pytest.mark.parametrize("notebook", SOURCES)
 def test_tensors_that_meet_a_collective_are_made_on_the_ranks_device_in(notebook):
     offences = [f"{notebook}, cell {index} ({cell_id}), {f}" for index, cell_id, source in _code_cells(ROOT / notebook)
                 for f in findings(source)]
-    if notebook in PENDING:
-        assert offences, f"{notebook} passes now: remove it from PENDING"
-        pytest.xfail(f"{len(offences)} offences, fixed on another branch of issue 35")
     assert not offences, "\n".join(offences)
 
 
@@ -177,62 +67,9 @@ def paced_steps(steps, device):
     assert findings(after) == []
 
 
-# ------------------------------------------------------------- CPU gradients in a launch that may pick NCCL
-# The same bug one level up: a function that all-reduces gradients (it reads `.grad` and calls a collective) but
-# places nothing on a device (no `.to(`, `.cuda(`, `device=` in it or in the notebook's functions it calls) keeps
-# its model on the CPU; launched with backend "auto" it gets NCCL wherever every rank has a GPU, and fails there.
-# It must then place its model or be launched with backend="gloo". Collectives hidden in a library (DDP, FSDP)
-# and helpers defined in other files are not followed: those the first check and a GPU run have to catch.
-# lessons whose launches another branch of issue 35 fixes (then: remove)
-PENDING_LAUNCHES = set()
-
-
-def _launched(call) -> str | None:
-    """The function name `call` launches (utils.launch(fn, ...)) unless it pins backend="gloo"."""
-    name = (call.func.attr if isinstance(call.func, ast.Attribute) else
-            call.func.id if isinstance(call.func, ast.Name) else None)
-    if name != "launch" or not call.args or not isinstance(call.args[0], (ast.Name, ast.Attribute)):
-        return None
-    backend = next((k.value for k in call.keywords if k.arg == "backend"), None)
-    if isinstance(backend, ast.Constant) and backend.value == "gloo":
-        return None
-    return call.args[0].attr if isinstance(call.args[0], ast.Attribute) else call.args[0].id
-
-
-def _places(fn, functions, seen) -> bool:
-    seen.add(fn.name)
-    for node in ast.walk(fn):
-        if (isinstance(node, ast.keyword) and node.arg == "device" or isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute) and node.func.attr in ("to", "cuda")):
-            return True
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions
-                and node.func.id not in seen and _places(functions[node.func.id], functions, seen)):
-            return True
-    return False
-
-
-def launch_findings(sources: list[str]) -> list[str]:
-    """'launch(fn) at line N: ...' for each launch that may pick NCCL of a function that all-reduces CPU gradients."""
-    trees = [ast.parse(source) for source in sources]
-    functions = {n.name: n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-    found = []
-    for tree in trees:
-        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
-            fn = functions.get(_launched(call))
-            if (fn and any(isinstance(n, ast.Attribute) and n.attr == "grad" for n in ast.walk(fn))
-                    and any(isinstance(n, ast.Call) and _collective(n) for n in ast.walk(fn))
-                    and not _places(fn, functions, set())):
-                found.append(f"launch({fn.name}) at line {call.lineno}: its gradients stay on the CPU, and the "
-                             "launch may pick NCCL (place the model on utils.device(), or pass backend=\"gloo\")")
-    return found
-
-
 @pytest.mark.parametrize("notebook", SOURCES)
 def test_a_launch_that_may_pick_nccl_does_not_all_reduce_cpu_gradients_in(notebook):
     offences = [f"{notebook}, {f}" for f in launch_findings([s for _, _, s in _code_cells(ROOT / notebook)])]
-    if notebook in PENDING_LAUNCHES:
-        assert offences, f"{notebook} passes now: remove it from PENDING_LAUNCHES"
-        pytest.xfail(f"{len(offences)} offences, fixed on another branch of issue 35")
     assert not offences, "\n".join(offences)
 
 
@@ -303,119 +140,7 @@ def test_without_device_id_in_torch_the_group_still_forms(recorded, monkeypatch)
     assert rank_process._device_options("gloo", 0) == {}
 
 
-# ------------------------------------------------- models and batches of a rank are moved to the rank's device
-# The same bug one level up: a rank that builds its model, or takes its batch, on the CPU computes its gradients
-# on the CPU, and DDP or an all-reduce hands them to NCCL. The check follows what utils.launch runs: the function
-# a launch names (unless it passes backend="gloo") and every function of the file it refers to, across cells. In
-# those, a model (a class defined there that subclasses a Module, the course's GPT, a torch.nn layer, or a
-# function of the file that returns one of these unmoved) and a batch (`<source>.batch(...)`) must be moved:
-# `.to(...)` / `.cuda(...)` on the call itself, on each item taken from it (`(t.to(d) for t in source.batch(...))`),
-# or on the name it is assigned to, later in the function; a model class may also be given `device=`.
 
-MODELS = {"GPT"}                                  # the course's model classes a file may import
-STATELESS = {"Parameter", "Dropout", "Identity", "ReLU", "GELU", "Softmax", "Flatten"}   # no parameters of their
-                                                  # own (a Parameter takes its tensor's device)
-MOVES = {"to", "cuda"}
-
-
-def _parents(tree):
-    for node in ast.walk(tree):
-        for child in ast.iter_child_nodes(node):
-            child.parent = node
-
-
-def _moved_call(node) -> bool:
-    """Whether `node` is `<x>.to(...)` or `<x>.cuda(...)`."""
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MOVES
-
-
-def _is_launch(call) -> bool:
-    func = call.func
-    return (isinstance(func, ast.Attribute) and func.attr == "launch") or (isinstance(func, ast.Name)
-                                                                            and func.id == "launch")
-
-
-def _gloo_pinned(call) -> bool:
-    return any(k.arg == "backend" and isinstance(k.value, ast.Constant) and k.value.value == "gloo"
-               for k in call.keywords)
-
-
-def unmoved(trees) -> list[tuple[int, str]]:
-    """(index of the tree, 'line N (function): <call> ...') for each model or batch made in a launched function
-    and never moved to the rank's device; `trees` are the file's parsed cells (one tree for a .py file)."""
-    for tree in trees:
-        _parents(tree)
-    functions, home, modules = {}, {}, set(MODELS)
-    for index, tree in enumerate(trees):
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                functions[node.name], home[node.name] = node, index
-            elif isinstance(node, ast.ClassDef) and any(ast.unparse(b).split(".")[-1].endswith("Module")
-                                                        for b in node.bases):
-                modules.add(node.name)
-
-    def is_model(call):
-        func = call.func
-        if isinstance(func, ast.Name):
-            return func.id in modules
-        return (isinstance(func, ast.Attribute) and func.attr[:1].isupper() and func.attr not in STATELESS
-                and ast.unparse(func.value) in ("torch.nn", "nn"))
-
-    def placed(call, scope):
-        parent = call.parent
-        if isinstance(parent, ast.Attribute) and parent.attr in MOVES:
-            return True
-        if (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id in movers
-                and call in parent.args):               # passed to a notebook function that moves what it returns
-            return True
-        if is_model(call) and any(k.arg == "device" for k in call.keywords):
-            return True
-        if isinstance(parent, ast.comprehension) and parent.iter is call:
-            return _moved_call(parent.parent.elt)
-        if isinstance(parent, ast.Assign):
-            names = {t.id for target in parent.targets for t in ast.walk(target) if isinstance(t, ast.Name)}
-            return any(_moved_call(n) and isinstance(n.func.value, ast.Name) and n.func.value.id in names
-                       and n.lineno >= parent.lineno for n in ast.walk(scope))
-        return False
-
-    movers = {name for name, fn in functions.items()   # e.g. on_device(batch): returns `.to(...)`s of its input
-              if any(isinstance(n, ast.Return) and n.value is not None and any(map(_moved_call, ast.walk(n.value)))
-                     for n in ast.walk(fn))}
-
-    def factory(fn):                               # returns a model unmoved: the caller must move it
-        return any(isinstance(n, ast.Return) and isinstance(n.value, ast.Call) and is_model(n.value)
-                   and not placed(n.value, fn) for n in ast.walk(fn))
-
-    changed = True
-    while changed:
-        changed = False
-        for name, fn in functions.items():
-            if name not in modules and factory(fn):
-                modules.add(name)
-                changed = True
-
-    todo = [call.args[0].id for tree in trees for call in ast.walk(tree) if isinstance(call, ast.Call)
-            and _is_launch(call) and not _gloo_pinned(call) and call.args and isinstance(call.args[0], ast.Name)]
-    reached = set()
-    while todo:
-        name = todo.pop()
-        if name in functions and name not in reached:
-            reached.add(name)
-            todo += [n.id for n in ast.walk(functions[name]) if isinstance(n, ast.Name)]
-    found = set()
-    for name in reached:
-        fn = functions[name]
-        for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
-            made = (isinstance(call.func, ast.Attribute) and call.func.attr == "batch") or is_model(call)
-            returned = name in modules and isinstance(call.parent, ast.Return)      # a factory's own return
-            if made and not returned and not placed(call, fn):
-                found.add((home[name], f"line {call.lineno} ({name}): {ast.unparse(call)[:60]} is never moved to "
-                                       "the rank's device"))
-    return sorted(found)
-
-
-# notebooks whose findings other branches of issue 35 fix (then: remove); this check found them
-PENDING_MODELS = set()
 
 
 @pytest.mark.parametrize("notebook", SOURCES)
@@ -423,9 +148,6 @@ def test_models_and_batches_of_a_rank_are_moved_to_its_device_in(notebook):
     cells = list(_code_cells(ROOT / notebook))
     offences = [f"{notebook}, cell {cells[i][0]} ({cells[i][1]}), {f}"
                 for i, f in unmoved([ast.parse(source) for _, _, source in cells])]
-    if notebook in PENDING_MODELS:
-        assert offences, f"{notebook} passes now: remove it from PENDING_MODELS"
-        pytest.xfail(f"{len(offences)} offences, fixed on another branch of issue 35")
     assert not offences, "\n".join(offences)
 
 
