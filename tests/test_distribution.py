@@ -42,7 +42,9 @@ def test_the_distribution_holds_what_students_need_and_nothing_else(dist):
     assert {f"lessons/{p.name}" for p in (ROOT / "lessons").glob("*.ipynb")} <= files
     assert {f"labs/{p.name}" for p in (ROOT / "labs").glob("*.ipynb")} <= files
     assert "utils/labchecks/lab1.py" in files and "utils/__init__.py" in files
-    assert {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")} <= files   # lessons point to them
+    assert {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")} - set(distribution.PRIVATE_SCRIPTS) \
+        <= files   # lessons point to them
+    assert not set(distribution.PRIVATE_SCRIPTS) & files   # the grader's benchmark: the grader does not ship
     assert not [f for f in files if f.startswith("utils/tools/grade") or f.endswith(("release.py", "reference.py",
                                                                                       "distribution.py", "start.py"))]
     readme = re.search(r'^readme\s*=\s*"([^"]+)"', (dist / "pyproject.toml").read_text(), re.M)[1]

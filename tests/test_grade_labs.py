@@ -93,8 +93,11 @@ def test_a_cheat_scores_nothing_on_what_it_attacks(graded, name):
 def test_feedback_says_what_failed_and_what_is_only_advisory(graded):
     text = graded["feedback"]["patch_equal"]
     assert "✗ reduce_scatter at N=2:" in text
-    assert re.search(r"rank \d, length \d+, \w+: wrong values for chunk \d = elements \d+:\d+ of the sum: \d+ of \d+ "
-                     r"elements wrong, first at element \d+: expected -?[\d.]+, got 0", text), text
+    # zeros where chunk r belongs: named as wrong values, or, where the inputs make the sum's other chunk zero
+    # too (fresh random inputs each grading), as the other chunk; 0 points either way
+    assert re.search(r"rank \d, length \d+, \w+: (wrong values for chunk \d = elements \d+:\d+ of the sum: \d+ of \d+ "
+                     r"elements wrong, first at element \d+: expected -?[\d.]+, got 0|returned chunk \d of the sum, "
+                     r"expected chunk \d)", text), text
     assert "your notebook's check cell passed, but the verdict did not" in text
     assert "advisory against deliberate tampering" in text
     assert "returned _Payload, expected a tensor" in graded["feedback"]["reduce_attack"]

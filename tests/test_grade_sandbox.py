@@ -226,14 +226,15 @@ def test_writes_network_and_hidden_tests_gain_nothing(attacked):
 
 
 def test_memory_and_process_bombs_fail_only_their_own_parts(attacked):
-    """The allocation fails at once; the fork bomb either meets the process limit (its fork raises) or, on a busy
-    machine, forks slower than that and runs out of time twice: "not graded" (never points)."""
+    """The allocation fails at once; the fork bomb either meets the process limit (its fork raises), or at the
+    time limit every process of it waits (a call that waits forever: 0), or, on a busy machine, it still forks at
+    the limit and runs out of time twice: "not graded" (never points)."""
     text = attacked["feedback"]["aac-hog"]
     got = attacked["points"]["aac-hog"]
     assert got["average"] == "0" and got["ring"] == "3", text
     assert "MemoryError" in text, text
     if got["chunks"] == "0":
-        assert "Resource temporarily unavailable" in text, text
+        assert "Resource temporarily unavailable" in text or "a call that waits forever" in text, text
     else:
         assert got["chunks"] == "not graded: ran out of time", text
         assert "while running chunk_bounds" in text or "reached their limit" in text, text   # and on a machine

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # private reference formulas), the tools that write the student copies and the website.
 PRIVATE = ("tools/grade", "tools/release.py", "tools/distribution.py", "tools/student_start.py", "tools/book.py",
            "tools/portable.py", "tools/gpu_check.py")   # the course's own checks: make test-portable, make gpu-check
+PRIVATE_SCRIPTS = ("benchmarks/bench_grade_sandbox.py",)   # times the grader, which students do not get
 START = "tools/student_start.py"   # written as course.py at the distribution's root
 
 # A lesson's note for instructors beside its lab link, e.g. "(work in the copy your instructor hands out: in the
@@ -170,6 +171,8 @@ def write_distribution(out_dir, student_repo: str, branch: str = "main", root=RO
         written.append(out / "lessons" / path.name)
     for folder in ("lessons/scripts", "benchmarks"):
         for path in sorted((root / folder).glob("*.py")):
+            if f"{folder}/{path.name}" in PRIVATE_SCRIPTS:
+                continue
             (out / folder).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, out / folder / path.name)
             written.append(out / folder / path.name)
