@@ -70,8 +70,9 @@ def main():
     for variant in variants:
         print(f"  {variant:<10} {Spread.of(times[variant]).format(scale=1, unit='s')}")
     ratio = Spread.of([s / p for p, s in zip(times["plain"], times["sandboxed"])])
-    print(f"  sandboxed / plain within a round: {ratio.median:.3f} (IQR {ratio.q1:.3f}–{ratio.q3:.3f}, "
-          f"min–max {ratio.low:.3f}–{ratio.high:.3f})")
+    print(f"  sandboxed / plain within a round: {ratio.median:.3f} ("
+          + (f"IQR {ratio.q1:.3f}–{ratio.q3:.3f}, " if ratio.count >= 4 else "")
+          + f"min–max {ratio.low:.3f}–{ratio.high:.3f})")
     print("  " + compare(times["plain"], times["sandboxed"], "plain", "sandboxed", scale=1, unit="s"))
 
 
