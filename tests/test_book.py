@@ -117,6 +117,12 @@ def test_every_page_loads_offline_with_its_images_and_without_errors(site, serve
         page.on("request", lambda r, outside=outside: not r.url.startswith((server, "data:", "blob:"))
                 and outside.append(r.url))
         page.goto(f"{server}/{name}", wait_until="networkidle")
+        if 'class="math notranslate' in (site / name).read_text():   # MathJax loads asynchronously: a busy
+            try:                                                       # machine may still be loading it here
+                page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                                       timeout=30_000)
+            except Exception:  # noqa: BLE001 — reported below as math not rendered
+                pass
         typeset = page.evaluate("() => window.MathJax && MathJax.startup && MathJax.startup.promise ? "
                                 "MathJax.startup.promise.then(() => document.querySelectorAll('mjx-container').length)"
                                 " : -1")
