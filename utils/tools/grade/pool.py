@@ -230,21 +230,18 @@ class Pool:
                     raise PoolFailure(f"no result after {seconds:g} s while {doing}: {hang_hint}{self._crowd()}",
                                       True) from None
                 share = self._all_waiting()
-                looks = (f"the busiest process was running in {share:.0%} of {WAIT_SAMPLES} looks over "
-                         f"{WAIT_WINDOW:g} s" if share is not None else "")
-                if share is not None and len(ranks) == 1:  # waits for nothing that will come: wrong, graded 0
-                    raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: a call that waits "
-                                      f"forever (nothing was computing: {looks})") from None
-                if share is not None:  # a deadlock: a wrong solution, graded 0 whatever the machine's load
-                    raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: a deadlock (every "
-                                      f"rank waiting for another: {looks}); rank(s) "
-                                      f"{', '.join(map(str, waiting))} never replied") from None
-                if len(ranks) == 1:
-                    raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: still computing "
-                                      f"(an endless loop, or a machine too busy){self._crowd()}", True) from None
-                raise PoolFailure(f"no result after {self.task_timeout:g} s while {doing}: the ranks were still "
-                                  f"computing (an endless loop, or a machine too busy); rank(s) "
-                                  f"{', '.join(map(str, waiting))} never replied{self._crowd()}", True) from None
+                head = f"no result after {self.task_timeout:g} s while {doing}"
+                silent = f"rank(s) {', '.join(map(str, waiting))} never replied"
+                if share is not None:  # every process waits: wrong on any machine, graded 0 whatever the load
+                    looks = (f"the busiest process was running in {share:.0%} of {WAIT_SAMPLES} looks over "
+                             f"{WAIT_WINDOW:g} s")
+                    raise PoolFailure(f"{head}: a call that waits forever (nothing was computing: {looks})"
+                                      if len(ranks) == 1 else
+                                      f"{head}: a deadlock (every rank waiting for another: {looks}); {silent}") from None
+                raise PoolFailure(f"{head}: still computing (an endless loop, or a machine too busy){self._crowd()}"
+                                  if len(ranks) == 1 else
+                                  f"{head}: the ranks were still computing (an endless loop, or a machine too busy); "
+                                  f"{silent}{self._crowd()}", True) from None
             if kind == "reply" and index in ranks:
                 replies[index] = data
                 cases = data[0].get("cases")
