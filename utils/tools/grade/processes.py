@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -45,7 +46,8 @@ def session_of(pid):
 
 
 def _freeze_and_kill(procs) -> None:
-    """SIGSTOP every process first (so none restarts what we kill), then SIGKILL them all and wait up to 5 s."""
+    """SIGSTOP every process first (so none restarts what we kill), then SIGKILL them all and wait up to 5 s for
+    each to be gone or a zombie."""
     import psutil
 
     for proc in procs:
@@ -58,7 +60,20 @@ def _freeze_and_kill(procs) -> None:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs, timeout=5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(not _dead(p) for p in procs):
+        time.sleep(0.02)
+
+
+def _dead(proc) -> bool:
+    """Gone, or a zombie. A zombie runs nothing; psutil would wait for whoever reaps it (its parent, or the
+    machine's init), which under load can take the whole timeout, for each of kill_tree's rounds."""
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
 
 
 def kill_tree(pid: int, alive: bool, sessions=(), since: float = 0.0) -> None:
@@ -85,7 +100,7 @@ def kill_tree(pid: int, alive: bool, sessions=(), since: float = 0.0) -> None:
             if (proc not in procs and session_of(proc.pid) in swept and info["uids"]
                     and info["uids"].real == uid and (info["create_time"] or 0) >= since - 1):
                 procs.append(proc)
-        procs = [p for p in procs if p.pid != me]
+        procs = [p for p in procs if p.pid != me and not _dead(p)]
         if not procs:
             return
         _freeze_and_kill(procs)
