@@ -99,6 +99,7 @@ class _Anchors(HTMLParser):
             self.links.append(attrs["href"])
 
 
+@functools.lru_cache(maxsize=None)   # a lesson page is megabytes (its figures inline) and the target of many links
 def _anchors(path: Path) -> _Anchors:
     parsed = _Anchors()
     parsed.feed(path.read_text())
