@@ -54,16 +54,18 @@ def torch_spec() -> list:
 
 
 # What to do when torch cannot be installed from where torch_spec() points (printed after pip's own message).
-TORCH_HELP = f"""\
-torch could not be installed with: {{spec}}
-If pip could not reach that index (a proxy, a mirror of PyPI only, an offline machine), choose where torch comes from:
-  PIP_OPTIONS="--proxy http://HOST:PORT" python3 course.py           every pip command goes through your proxy
-  TORCH_SPEC="torch=={TORCH_VERSION}" python3 course.py                   PyPI's build: on Linux a CUDA build, several
-                                                                     GB to download (about 6 GB installed); it runs
-                                                                     on a CPU too
-  TORCH_SPEC="/path/to/torch-{TORCH_VERSION}-...whl" python3 course.py    a wheel file you downloaded elsewhere
-  PIP_OPTIONS="--index-url https://MIRROR/simple" python3 course.py  your institution's mirror
-(supported: any torch from 2.6 to 2.14). Otherwise fix what pip said above and run this again."""
+_WAYS = [  # (command, what it does): where torch can come from when PyTorch's own index is out of reach
+    ('PIP_OPTIONS="--proxy http://HOST:PORT" python3 course.py', "every pip command goes through your proxy"),
+    (f'TORCH_SPEC="torch=={TORCH_VERSION}" python3 course.py',
+     "PyPI's build: on Linux a CUDA build, several GB to download (about 6 GB installed); it runs on a CPU too"),
+    (f'TORCH_SPEC="/path/to/torch-{TORCH_VERSION}-...whl" python3 course.py', "a wheel file you downloaded elsewhere"),
+    ('PIP_OPTIONS="--index-url https://MIRROR/simple" python3 course.py', "your institution's mirror"),
+]
+TORCH_HELP = ("torch could not be installed with: {spec}\n"
+              "If pip could not reach that index (a proxy, a mirror of PyPI only, an offline machine), choose where "
+              "torch comes from:\n"
+              + "".join(f"  {command}\n      {what}\n" for command, what in _WAYS)
+              + "(supported: any torch from 2.6 to 2.14). Otherwise fix what pip said above and run this again.")
 
 
 def pip(*args) -> None:
