@@ -7,7 +7,8 @@ Lesson 08 runs it under torchrun, which restarts every worker when one dies:
         --folder RUN --steps 12 --every 4 --die-at 7
 
 (The first variable gives each attempt a fresh store: in the store torchrun shares with its workers, restarted
-workers can read the dead ones' addresses and fail or hang forming their group, pytorch/pytorch#135712. The second
+workers can read the dead ones' addresses and fail or hang forming their group, as reported in pytorch/pytorch#135712
+(closed; whether a given torch still needs it is not tested here: a precaution). The second
 keeps gloo on the loopback interface.) The group is gloo unless --backend says otherwise; with --backend nccl
 (one GPU per local rank) the model, batches and gradients live on cuda:LOCAL_RANK, and digests and RNG states are
 read back to the CPU.
