@@ -77,6 +77,7 @@ def sweep() -> list[str]:
             gone.append(name)
     return gone
 
+
 def _run_checked(argv: list[str]) -> None:
     """Run `argv`; a failure raises with its stderr."""
     proc = subprocess.run(argv, capture_output=True, text=True)
