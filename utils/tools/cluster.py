@@ -40,7 +40,7 @@ from pathlib import Path
 
 if __package__:
     from .namespaces import _NAME, _delete, _ip, _namespaces, _run_checked, _stop, ours, sweep
-else:   # run as a file (`python utils/tools/cluster.py hold`: tests/test_cluster.py), without the utils package
+else:   # run as a file (`python utils/tools/cluster.py hold`), which imports neither the utils package nor torch
     from namespaces import _NAME, _delete, _ip, _namespaces, _run_checked, _stop, ours, sweep
 
 __all__ = ["Cluster", "ClusterUnavailable", "unavailable", "sweep", "ours", "REQUIRE_VARIABLE"]
