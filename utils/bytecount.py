@@ -36,74 +36,27 @@ Typical use inside a function run on every rank by ``utils.launch``::
     with bytecount.count_bytes() as counter, bytecount.forbid_collectives():
         my_all_reduce(tensor)
     return counter.summary()        # a plain dict, cheap to send back to the notebook
+
+Behind them: utils/comm_calls.py (the calls, where they are found, how they are replaced for a block) and
+utils/comm_counting.py (what one call moves, and the checks on its peer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import sys
-import threading
 from collections import defaultdict
 
-import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
-from torch._C import _distributed_c10d as _c10d_classes
-
-# The calls whose bytes are exact: the tensor handed over is what travels.
-POINT_TO_POINT = ("send", "recv", "isend", "irecv")
-
-# Built-in collectives. Names missing from the installed torch are skipped.
-COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
-    "gather", "scatter", "barrier", "all_reduce_coalesced", "all_gather_coalesced",
-    "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-)
-
-# For a built-in collective the count is nominal: the per-rank volume of this textbook algorithm.
-NOMINAL_ALGORITHM = {
-    "all_reduce": "ring: 2(N-1)/N x M sent and received",
-    "reduce_scatter": "ring: (N-1)/N x M (M = the full input) sent and received",
-    "all_gather": "ring: (N-1)/N x M (M = the full output) sent and received",
-    "all_to_all": "direct: (N-1)/N x M sent and received",
-    "broadcast": "direct: root sends M to each other rank; others receive M",
-    "reduce": "direct: each non-root sends M; root receives (N-1) x M",
-    "gather": "direct: each non-root sends M; root receives (N-1) x M",
-    "scatter": "direct: root sends M to each other rank; others receive M",
-    "barrier": "no payload",
-}
-
-# The modules whose attributes user code reaches the calls through (``dist.send``, ``c10d.send``).
-_MODULES = (dist, c10d)
-
-# The same calls as methods of a process group (``dist.group.WORLD.allreduce([t])``) and of its backends
-# (``group._get_backend(device).allreduce([t])``): every ``dist.<call>`` ends in one of them.
-GROUP_POINT_TO_POINT = ("send", "recv", "recv_anysource")
-GROUP_COLLECTIVES = (
-    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
-    "_allgather_base", "all_gather_single", "all_gather_single_coalesced", "reduce_scatter",
-    "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
-    "_reduce_scatter_base", "alltoall", "alltoall_base", "all_to_all_single", "broadcast", "reduce", "gather",
-    "scatter", "barrier", "monitored_barrier",
-)
-
-# Operator namespaces through which communication can be called directly (``torch.ops.c10d.allreduce_``);
-# the functional collectives (torch.distributed._functional_collectives) call ``_c10d_functional``'s.
-# Inside forbid_collectives() every operator there raises, except these two, which move nothing.
-OP_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-NOT_COMMUNICATION = ("check_for_nan", "wait_tensor")
+# The call names, NOMINAL_ALGORITHM, tensor_bytes and _module_targets are imported from here too.
+from .comm_calls import (COLLECTIVES, GROUP_COLLECTIVES, GROUP_POINT_TO_POINT, NOT_COMMUNICATION,  # noqa: F401
+                         OP_NAMESPACES, POINT_TO_POINT, _method_targets, _module_targets, _op_targets, _patched)
+from .comm_counting import (NOMINAL_ALGORITHM, _active_counters, _counting_wrapper,  # noqa: F401
+                            _group_counting_wrapper, _inside, tensor_bytes)
 
 # Record names of the calls that put one message on the wire, or take one off it.
 _SENDS = ("send", "isend", "group.send", "c10d.send")
 _RECEIVES = ("recv", "irecv", "group.recv", "group.recv_anysource", "c10d.recv_")
-
-
-def tensor_bytes(tensor) -> int:
-    """Bytes of a tensor's elements: numel x element size (what a send of it puts on the wire)."""
-    return tensor.numel() * tensor.element_size()
 
 
 class CollectiveForbiddenError(RuntimeError):
@@ -123,6 +76,7 @@ class ByteCounter:
                                  asynchronous=asynchronous, group=None if group is None else tuple(group)))
 
     def _total(self, key, nominal):
+        """The sum of `key` over the exact records (nominal=False) or the nominal ones."""
         return sum(r[key] for r in self.records if r["nominal"] == nominal)
 
     @property
@@ -189,204 +143,6 @@ class ByteCounter:
         )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Patching machinery: replace a call where user code finds it — ``dist.<name>`` (and the same name in
-# distributed_c10d), a process-group class's method, an operator under ``torch.ops`` — for the duration of a
-# ``with`` block, restoring whatever was there before, so the two context managers nest in any order.
-
-_active_counters: list[ByteCounter] = []
-_inside = threading.local()  # guards against counting a call twice when one wrapped call makes another
-
-
-def _module_targets(names):
-    """(holder, name, label) for ``dist.<name>`` and ``distributed_c10d.<name>``, where they exist."""
-    return [(module, name, f"dist.{name}") for name in names for module in _MODULES
-            if getattr(module, name, None) is not None]
-
-
-def _group_classes():
-    """ProcessGroup, Backend and every subclass of them (ProcessGroupGloo, ProcessGroupNCCL, ...)."""
-    found, todo = [], [_c10d_classes.ProcessGroup, _c10d_classes.Backend]
-    while todo:
-        cls = todo.pop()
-        if cls not in found:
-            found.append(cls)
-            todo += cls.__subclasses__()
-    return found
-
-
-def _method_targets(names):
-    """(class, name, label) for every process-group class that defines one of `names` itself."""
-    return [(cls, name, f"{cls.__name__}.{name}") for cls in _group_classes() for name in names
-            if name in vars(cls)]
-
-
-def _op_targets():
-    """(namespace, op, label) for every communication operator under OP_NAMESPACES."""
-    ops = set()
-    for qualified in getattr(torch._C, "_dispatch_get_all_op_names", list)():  # a private API: may go
-        namespace, _, op = qualified.partition("::")
-        op = op.split(".")[0]
-        if namespace in OP_NAMESPACES and op not in NOT_COMMUNICATION:
-            ops.add((namespace, op))
-    return [(getattr(torch.ops, namespace), op, f"torch.ops.{namespace}.{op}") for namespace, op in sorted(ops)]
-
-
-@contextlib.contextmanager
-def _patched(targets, make_wrapper):
-    """Install make_wrapper(label, name, original) at every (holder, name, label) of `targets`."""
-    saved = []
-    # One wrapper per function, installed under every holder of it: ``dist.P2POp`` and
-    # ``dist.batch_isend_irecv`` check ``op`` against distributed_c10d's own ``isend``/``irecv`` by identity.
-    wrappers = {}
-    try:
-        for holder, name, label in targets:
-            original = vars(holder)[name] if isinstance(holder, type) else getattr(holder, name)
-            saved.append((holder, name, original))
-            if id(original) not in wrappers:
-                wrappers[id(original)] = make_wrapper(label, name, original)
-            setattr(holder, name, wrappers[id(original)])
-        yield
-    finally:
-        for holder, name, original in reversed(saved):
-            setattr(holder, name, original)
-
-
-def _peer(bound, key):
-    """The peer rank of a point-to-point call: dst/src, or group_dst/group_src."""
-    peer = bound.arguments.get(key)
-    if peer is None:
-        peer = bound.arguments.get("group_" + key)
-    return peer
-
-
-def _nominal_volume(name, bound):
-    """(sent, received) nominal bytes of one built-in collective on this rank (see NOMINAL_ALGORITHM)."""
-    args = bound.arguments
-    n = dist.get_world_size(args.get("group"))
-    me = dist.get_rank(args.get("group"))
-
-    def size(key):
-        value = args[key]
-        return sum(map(tensor_bytes, value)) if isinstance(value, (list, tuple)) else tensor_bytes(value)
-
-    if name == "all_reduce":
-        m = size("tensor")
-        return 2 * (n - 1) * m // n, 2 * (n - 1) * m // n
-    if name.startswith("reduce_scatter"):
-        m = size("input_list" if "input_list" in args else "input")
-    elif name.startswith("all_gather") and name != "all_gather_object":
-        m = size("input_tensor" if "input_tensor" in args else "tensor") * n
-    elif name.startswith("all_to_all"):
-        m = size("input" if "input" in args else "input_tensor_list")
-    elif name in ("broadcast", "scatter", "reduce", "gather"):
-        root = next((args[k] for k in ("src", "dst", "group_src", "group_dst") if args.get(k) is not None), 0)
-        m = size("tensor")  # the tensor each rank contributes or ends up with
-        if name in ("broadcast", "scatter"):
-            return ((n - 1) * m, 0) if me == root else (0, m)
-        return (0, (n - 1) * m) if me == root else (m, 0)
-    else:
-        return 0, 0  # barrier and the object collectives: no tensor payload we can size
-    return (n - 1) * m // n, (n - 1) * m // n
-
-
-def _group_ranks(group):
-    """The global ranks of a process group (None: the default group), or None where they cannot be told."""
-    try:
-        return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    except (RuntimeError, ValueError, AttributeError):  # a backend object, or a group this rank is not in
-        return None
-
-
-def _check_peer(label, key, peer, size, me, sending):
-    """Refuse a peer that is no rank of the group, or the calling rank itself, before the backend sees it.
-
-    gloo may crash or hang on a peer outside the group, and fails with "Pair is not connected" on itself.
-    """
-    if not 0 <= peer < size:
-        raise ValueError(f"{label} with {key}={peer}: there is no rank {peer}, the ranks are "
-                         f"0 … {size - 1}. Check how the peer rank is computed (a missing % N?).")
-    if peer == me:
-        raise ValueError(f"{label} with {key}={peer}: rank {me} {'sent to' if sending else 'received from'} "
-                         "itself (gloo cannot: 'Pair is not connected'). Check how the peer rank is computed: "
-                         "is a position among some of the ranks used as a rank?")
-
-
-def _existing_peer(name, bound, key):
-    """The peer of a point-to-point call (None: any source), checked by `_check_peer`."""
-    peer = _peer(bound, key)
-    if peer is None:
-        return None
-    # dst/src are global ranks; group_dst/group_src count within the group
-    group = None if bound.arguments.get(key) is not None else bound.arguments.get("group")
-    _check_peer(f"dist.{name}", key, peer, dist.get_world_size(group), dist.get_rank(group),
-                sending=name in ("send", "isend"))
-    return peer
-
-
-def _counting_wrapper(label, name, original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        if getattr(_inside, "depth", 0) or not _active_counters:
-            return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        sending = name in ("send", "isend")
-        if name in POINT_TO_POINT:
-            peer = _existing_peer(name, bound, "dst" if sending else "src")
-        _inside.depth = 1
-        try:
-            result = original(*args, **kwargs)
-        finally:
-            _inside.depth = 0
-        group = _group_ranks(bound.arguments.get("group"))
-        if name in POINT_TO_POINT:
-            nbytes = tensor_bytes(bound.arguments["tensor"])
-            if name == "recv" and peer is None:
-                peer = result  # recv from any source returns the sender's rank
-            for counter in _active_counters:
-                counter.add(name, sent=nbytes if sending else 0, received=0 if sending else nbytes, peer=peer,
-                            group=group)
-        else:
-            sent, received = _nominal_volume(name, bound)
-            asynchronous = bool(bound.arguments.get("async_op", False))
-            for counter in _active_counters:
-                counter.add(name, sent=sent, received=received, nominal=True, asynchronous=asynchronous,
-                            group=group)
-        return result
-
-    return wrapper
-
-
-def _group_counting_wrapper(label, name, original):
-    """Count a process group's send/recv called directly (not from inside a counted ``dist.<call>``)."""
-    sending = name == "send"
-
-    @functools.wraps(original)
-    def wrapper(group, tensors, *args, **kwargs):
-        if getattr(_inside, "depth", 0) or not _active_counters:
-            return original(group, tensors, *args, **kwargs)
-        peer = None
-        if name != "recv_anysource":
-            key = "dstRank" if sending else "srcRank"
-            peer = args[0] if args else kwargs[key]
-            _check_peer(label, key, peer, group.size(), group.rank(), sending)
-        _inside.depth = 1
-        try:
-            result = original(group, tensors, *args, **kwargs)
-        finally:
-            _inside.depth = 0
-        nbytes = sum(map(tensor_bytes, tensors))
-        ranks = _group_ranks(group)
-        for counter in _active_counters:
-            counter.add(f"group.{name}", sent=nbytes if sending else 0, received=0 if sending else nbytes,
-                        peer=peer, group=ranks)
-        return result
-
-    return wrapper
-
-
 @contextlib.contextmanager
 def count_bytes(cpp_calls: bool = False):
     """Count bytes this rank sends and receives inside the block; yields a ``ByteCounter``.
@@ -420,6 +176,7 @@ def _cpp_calls_mode(counter):
 
 
 def _forbidding_wrapper(label, name, original):
+    """A stand-in for `original` that raises ``CollectiveForbiddenError`` naming `label`."""
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         raise CollectiveForbiddenError(

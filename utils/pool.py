@@ -4,6 +4,8 @@
 device choice, `[rank R]` output, per-rank stacks; utils/launching.py), but the function each rank
 runs is a small server: it keeps one namespace per rank and runs the cells it is sent in it, so a
 model built in one cell is still there in the next. `%%distributed` uses the pool while one runs.
+The rank's side is utils/pool_rank.py; how the end of a cell is judged (keep the pool or restart it),
+utils/pool_outcomes.py.
 
 What keeps a pool trustworthy:
 - Names a cell uses travel from the notebook only where the rank lacks them: the rank's own
@@ -23,11 +25,8 @@ What keeps a pool trustworthy:
 from __future__ import annotations
 
 import atexit
-import os
 import selectors
-import signal
 import socket
-import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -35,13 +34,10 @@ from multiprocessing.connection import Connection
 import cloudpickle
 
 from .cells import remember_source
-from .launching import (LaunchError, LaunchTimeout, _check_arguments, _Launch, _output_is_live, backend_for,
-                        default_threads, dumps, format_frames)
+from .launching import (LaunchError, LaunchTimeout, _check_arguments, _Launch, _output_is_live,  # noqa: F401
+                        backend_for, default_threads, dumps, format_frames)   # LaunchTimeout: run_cell raises it on a hang
+from .pool_outcomes import _RESTARTED, CellOutcomes
 from .pool_rank import _MARK, _ranks_text, _rss, _serve
-
-_RESTARTED = ("The pool was restarted: {n} fresh ranks with the process group initialised. Every rank's "
-              "variables were lost; run the cells that build them again.")
-
 
 _current = None  # the notebook's running pool
 
@@ -51,7 +47,7 @@ def current() -> "Pool | None":
     return _current if _current is not None and _current.running else None
 
 
-class Pool(_Launch):
+class Pool(CellOutcomes, _Launch):
     """N ranks with the default process group initialised, alive until `stop()`."""
 
     def __init__(self, world_size: int = 4, backend: str = "auto", threads: int | None = None,
@@ -211,134 +207,10 @@ class Pool(_Launch):
                              memory=memory.get(rank) or _rss(self.pids.get(rank))))
         return rows
 
-    # ------------------------------------------------------------ waiting for a cell
-
-    def _reset_cell(self):
-        self.results, self.failures, self.replies, self.notes = {}, {}, {}, {}
-        self.marks, self.exited, self.broken, self.timeout_report = set(), set(), {}, ""
-        self.stopped = {}
-
     def _check_running(self):
+        """Refuse to use a stopped pool."""
         if not self.running:
             raise RuntimeError("this pool was stopped; start one with %dist start")
-
-    def _cell_done(self, ranks):
-        return all(r in self.replies and (r, 1) in self.marks and (r, 2) in self.marks for r in ranks)
-
-    def _wait_for_cell(self, ranks, timeout):
-        """Read output and replies until the cell ends: 'done', 'dead', 'hang' or 'hang after error'."""
-        deadline, first_failure = time.monotonic() + timeout, None
-        while not self._cell_done(ranks):
-            now = time.monotonic()
-            if self.exited:
-                self._drain_briefly()
-                return "dead"
-            if self.failures and first_failure is None:
-                first_failure = now
-            if first_failure is not None and now > first_failure + self.grace:
-                return "hang after error"
-            if now > deadline:
-                return "hang"
-            for key, _ in self.selector.select(timeout=0.05):
-                self._handle(key)
-        return "done"
-
-    def _drain_briefly(self, seconds=0.5):
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            for key, _ in self.selector.select(timeout=0.05):
-                self._handle(key)
-
-    def _finish_cell(self, ranks, outcome, timeout):
-        """Print the output, decide whether the pool can be kept, and return results or raise."""
-        self.busy -= set(self.replies)
-        finished = sorted(r for r in ranks if r in self.results)
-        if outcome == "done" and not self.failures:
-            uneven = self._uneven_counts()
-            self._print_output()
-            if uneven:
-                self.restart()
-                raise LaunchError(uneven + "\n" + _RESTARTED.format(n=self.world_size))
-            for note, where in self.notes.items():
-                print(f"distributed_results: {note} (rank{'s' if len(where) > 1 else ''} {_ranks_text(where)})")
-            return [self.results.get(r) for r in range(self.world_size)]
-        culprits = sorted(self.failures)
-        lines = []
-        if self.failures:
-            error, culprits = self._error()
-            lines = [line for line in str(error).splitlines() if not line.startswith("the other ranks")]
-        restart, cls = outcome != "done", LaunchError
-        if outcome == "dead":
-            lines.append("the rank is gone, and with it the process group every rank shares.")
-            stuck = sorted(set(ranks) - set(self.replies) - self.exited)
-            if stuck:
-                lines.append(self._stacks(stuck))
-        elif outcome in ("hang", "hang after error"):
-            stuck = sorted(set(ranks) - set(self.replies) - self.exited)
-            if outcome == "hang":
-                cls = LaunchTimeout
-                lines.append(f"the cell timed out after {timeout:g} s: {len(stuck)} of {len(ranks)} ranks still "
-                             "running. Likely a hang: a rank skipped or reordered a collective, or sends and "
-                             "receives wait on each other (deadlock).")
-            else:
-                lines.append(f"ranks {_ranks_text(stuck)} were still running {self.grace:g} s after that: most "
-                             "likely waiting in a collective for the failed rank, so this counts as a hang.")
-            lines.append(self._stacks(stuck))
-        uneven = self._uneven_counts() if not restart else ""
-        if uneven:
-            restart = True
-            lines.append(uneven)
-        if finished:
-            lines.append(f"ranks that finished the cell: {_ranks_text(finished)}")
-        stderr = self._take_stderr(culprits)
-        for rank in range(self.world_size):
-            self.lines[rank][2] = []
-        self._print_output()
-        if restart:
-            self.restart()
-            lines.append(_RESTARTED.format(n=self.world_size))
-        else:
-            lines.append("The pool is kept: every rank's variables are as the cell left them.")
-        raise cls("\n".join(lines) + stderr)
-
-    def _uneven_counts(self):
-        """A sentence when ranks ran different numbers of collectives (their group is out of step)."""
-        if len(set(self.counts.values())) <= 1:
-            return ""
-        counts = ", ".join(f"rank {r}: {c}" for r, c in sorted(self.counts.items()))
-        return (f"the ranks ran different numbers of collectives ({counts}): one skipped a collective its "
-                "peers completed, so the next one would mix up data or hang.")
-
-    def _interrupt(self, ranks):
-        """The stop button: SIGINT to every busy rank; keep the pool only if all stopped cleanly."""
-        for rank in sorted(self.busy):
-            try:
-                os.kill(self.pids[rank], signal.SIGINT)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + self.interrupt_grace
-        try:
-            while time.monotonic() < end and not self._cell_done(ranks) and not self.exited:
-                for key, _ in self.selector.select(timeout=0.05):
-                    self._handle(key)
-        except KeyboardInterrupt:  # pressed again: do not wait any longer
-            pass
-        self.busy -= set(self.replies)
-        stuck = sorted(set(ranks) - set(self.replies))
-        inside = sorted(self.broken)
-        for rank in range(self.world_size):
-            self.lines[rank][2] = [line for line in self.lines[rank][2] if "KeyboardInterrupt" not in line]
-        self._print_output()
-        if stuck or inside or self.exited or self._uneven_counts():
-            why = (f"ranks {_ranks_text(stuck)} did not stop within {self.interrupt_grace:g} s (most likely blocked "
-                   "in a collective, where a rank cannot be interrupted)" if stuck else
-                   f"ranks {_ranks_text(inside)} stopped inside a collective" if inside else
-                   "a rank died" if self.exited else self._uneven_counts())
-            self.restart()
-            print(f"Interrupted: {why}. " + _RESTARTED.format(n=self.world_size), file=sys.stderr)
-        else:
-            print("Interrupted: every rank stopped outside a collective; the pool is kept with every rank's "
-                  "variables.", file=sys.stderr)
 
     def _ask(self, message, timeout=10.0):
         """Send `message` to every (idle) rank and collect one reply from each."""
@@ -357,6 +229,7 @@ class Pool(_Launch):
     # ------------------------------------------------------------ events (launch's, plus the pool's)
 
     def _handle(self, key):
+        """One selector event: a rank's command connection, a reply on it, or one of launch's events."""
         kind, rank = key.data
         if kind == "command-accept":
             self._accept_command()
@@ -366,6 +239,7 @@ class Pool(_Launch):
             super()._handle(key)
 
     def _accept_command(self):
+        """Take a starting rank's command connection; its hello says its rank, pid and device."""
         try:
             sock, _ = self.command_server.accept()
         except BlockingIOError:
@@ -381,6 +255,7 @@ class Pool(_Launch):
         self.selector.register(conn, selectors.EVENT_READ, ("reply", rank))
 
     def _read_reply(self, conn, rank):
+        """Read one message of a rank: an answer to `_ask`, or its reply to the current cell."""
         try:
             message = conn.recv()
         except (EOFError, OSError):
@@ -408,6 +283,7 @@ class Pool(_Launch):
                                    f"{body['type']}: {body['message']}")
 
     def _emit_line(self, rank, stream, line):
+        """Launch's output line, less the end-of-cell mark a rank writes on each stream (noted: that stream is done)."""
         before, mark, _ = line.partition(_MARK)
         if mark:
             self.marks.add((rank, stream))
@@ -416,5 +292,6 @@ class Pool(_Launch):
         super()._emit_line(rank, stream, before)
 
     def _rank_exited(self, rank):
+        """Launch's handling of a rank that exited; it is no longer busy."""
         super()._rank_exited(rank)
         self.busy.discard(rank)

@@ -32,8 +32,9 @@ def short_path(path: str) -> str:
 
 # Frames of the course's plumbing (launcher, cell magic and pool, byte counter, lab-check harness): not the student's.
 _PLUMBING = ("utils/launching.py", "utils/rank_process.py", "utils/failure_reports.py", "utils/shipping.py",
-             "utils/magic.py", "utils/cells.py", "utils/pool.py", "utils/pool_rank.py", "utils/bytecount.py",
-             "utils/labchecks/", "multiprocessing", "<string>")
+             "utils/magic.py", "utils/cells.py", "utils/pool.py", "utils/pool_outcomes.py", "utils/pool_rank.py",
+             "utils/bytecount.py", "utils/comm_calls.py", "utils/comm_counting.py", "utils/labchecks/",
+             "multiprocessing", "<string>")
 
 
 def format_frames(frames, source_files=None) -> str:

@@ -28,7 +28,6 @@ clean up: the next Cluster, or `sweep`, deletes the namespaces whose creator pro
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import os
 import re
@@ -39,10 +38,14 @@ import sys
 import time
 from pathlib import Path
 
+if __package__:
+    from .namespaces import _NAME, _delete, _ip, _namespaces, _run_checked, _stop, ours, sweep
+else:   # run as a file (`python utils/tools/cluster.py hold`), which imports neither the utils package nor torch
+    from namespaces import _NAME, _delete, _ip, _namespaces, _run_checked, _stop, ours, sweep
+
 __all__ = ["Cluster", "ClusterUnavailable", "unavailable", "sweep", "ours", "REQUIRE_VARIABLE"]
 
 REQUIRE_VARIABLE = "COURSE_REQUIRE_CLUSTER"   # =1: tests fail, not skip, where the cluster cannot run (CI sets it)
-_NAME = re.compile(r"^dpfs(\d+)p(\d+)(n\d+|sw)$")
 _SLOTS = 4096
 IFACE = "eth0"
 
@@ -78,63 +81,6 @@ def _capable(bit: int) -> bool:
     return True   # cannot tell: let `ip` say
 
 
-def _ip(*args, check=True, netns=None) -> str:
-    """Run `ip ARGS` (inside `netns` if given); its stdout. A failure raises with ip's own message."""
-    argv = ["ip"] + (["-n", netns] if netns else []) + list(args)
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(argv)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc.stdout
-
-
-def _namespaces() -> list[str]:
-    """Every network namespace of the machine, by name."""
-    return [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
-
-
-def ours() -> list[str]:
-    """The namespaces any Cluster made that still exist (of this run or any other)."""
-    return [name for name in _namespaces() if _NAME.match(name)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_inside(netns: str) -> None:
-    """SIGKILL every process still running in `netns` (all of them were started there by a Cluster)."""
-    for _ in range(50):
-        pids = [int(p) for p in _ip("netns", "pids", netns, check=False).split()]
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.02)
-    raise RuntimeError(f"processes in namespace {netns} survive SIGKILL: {pids}")
-
-
-def _delete(netns: str) -> None:
-    _kill_inside(netns)
-    _ip("netns", "del", netns, check=False)
-
-
-def sweep() -> list[str]:
-    """Delete the namespaces (and so the links) of Clusters whose creator process is gone; the names deleted."""
-    gone = []
-    for name in ours():
-        creator = int(_NAME.match(name).group(2))
-        if not _alive(creator):
-            _delete(name)
-            gone.append(name)
-    return gone
-
 
 class Cluster:
     """`nodes` namespaces on one machine joined by shaped links; a context manager (see the module's docstring).
@@ -144,6 +90,7 @@ class Cluster:
     """
 
     def __init__(self, nodes: int = 2, rate: str | None = "200mbit", burst: str = "64kb", latency: str = "100ms"):
+        """Check and keep the settings; `up()` (or entering the block) makes the namespaces."""
         if nodes < 2:
             raise ValueError(f"a cluster has at least 2 nodes, got {nodes}")
         self.nodes, self.rate, self.burst, self.latency = nodes, rate, burst, latency
@@ -154,10 +101,12 @@ class Cluster:
 
     # ---- names and addresses
     def namespace(self, node: int) -> str:
+        """The name of node `node`'s namespace."""
         return f"dpfs{self.slot}p{os.getpid()}n{node}"
 
     @property
     def switch(self) -> str:
+        """The name of the switch's namespace (more than 2 nodes)."""
         return f"dpfs{self.slot}p{os.getpid()}sw"
 
     def names(self) -> list[str]:
@@ -165,16 +114,19 @@ class Cluster:
         return [self.namespace(i) for i in range(self.nodes)] + ([self.switch] if self.nodes > 2 else [])
 
     def address(self, node: int) -> str:
+        """Node `node`'s address on its `eth0`."""
         return f"10.{200 + self.slot // 256}.{self.slot % 256}.{node + 1}"
 
     # ---- life cycle
     def __enter__(self) -> "Cluster":
+        """`up()`; in the main thread, SIGTERM raises inside the block (so that teardown runs)."""
         self.up()
         if _in_main_thread() and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             self._previous_sigterm = signal.signal(signal.SIGTERM, _sigterm_raises)
         return self
 
     def __exit__(self, *exc) -> None:
+        """`down()`, and the previous SIGTERM handler back."""
         try:
             self.down()
         finally:
@@ -208,6 +160,7 @@ class Cluster:
         return self
 
     def _wire(self) -> None:
+        """Bring up `lo`, lay the cables (a veth pair, or one per node to a bridge), address and shape them."""
         for node in range(self.nodes):
             _ip("link", "set", "lo", "up", netns=self.namespace(node))
         if self.nodes == 2:   # one cable
@@ -320,33 +273,14 @@ def _rate_bytes(rate: str) -> float:
     return value / 8 if match.group(3) == "bit" else value
 
 
-def _run_checked(argv: list[str]) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(argv)}` failed: {proc.stderr.strip()}")
-
-
-def _stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
-    """SIGTERM the process group of `proc`, SIGKILL it after `grace` seconds."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)   # the group's other members (torchrun's workers) too
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
-
-
 def _in_main_thread() -> bool:
+    """Whether this is the main thread (the only one that may set a signal handler)."""
     import threading
     return threading.current_thread() is threading.main_thread()
 
 
 def _sigterm_raises(signum, frame):
+    """The SIGTERM handler inside a Cluster's block: an exception, so that the block's teardown runs."""
     raise KeyboardInterrupt("SIGTERM")
 
 
@@ -379,6 +313,7 @@ def _demo(args) -> int:
 
 
 def main(argv=None) -> int:
+    """`python -m utils.tools.cluster check|demo|hold|sweep` (see the module's docstring)."""
     parser = argparse.ArgumentParser(prog="python -m utils.tools.cluster", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("check", help="say whether this machine can make the cluster")
