@@ -8,6 +8,8 @@ earn every part; each wrong one is graded on the parts it breaks (and, where the
     inner optimizer over every parameter with the others' gradients set to None: no sharded_state;
   - groups added later given to every rank's inner optimizer: no param_groups;
   - one that ignores a learning rate changed in param_groups mid-run: no param_groups;
+  - an inner optimizer built on this rank's bare list of the first group's parameters, which torch refuses where
+    the rank owns none of them (part 4's three matrices at N = 4): no param_groups, the message says why;
   - an optimizer that keeps the whole state and never communicates: training only (2 of 10);
   - a sharded optimizer that forgets the synchronisation: sharded_state and param_groups (6 of 10);
   - torch's ZeroRedundancyOptimizer: nothing.
@@ -98,6 +100,8 @@ ADDED_TO_EVERY_RANK = [("        super().__init__(params, kwargs)       # calls 
                        ('self.shard.add_param_group({**options, "params": mine})',
                         'self.shard.add_param_group({**options, "params": group["params"] if getattr(self, "built", '
                         'False) else mine})')]
+BARE_LIST = ('self.shard = self.optimizer_cls([{**options, "params": mine}], **self.kwargs)',
+             "self.shard = self.optimizer_cls(mine, **options)   # torch.optim refuses an empty list")
 IGNORES_LR = ('shard_group.update({k: v for k, v in group.items() if k != "params"})   # e.g. a scheduler\'s lr',
               "pass")
 
@@ -134,6 +138,8 @@ KINDS = {   # name: (cells, parts graded, parts earned, what a lost part's messa
                                    "must be shared out too"),
     "ignores a mid-run lr change": (lambda: lab_cells(edited(IGNORES_LR)), ["param_groups"], set(),
                                     "copy every group's options"),
+    "inner optimizer on a bare list": (lambda: lab_cells(edited(BARE_LIST)), ["param_groups"], set(),
+                                       "empty parameter list: a rank may own no parameter of a group"),
     "whole state, no communication": (lambda: lab_cells(FULL_STATE), PARTS, {"training"}, "rank"),
     "sharded, never synchronised": (lambda: lab_cells(skip_sync=True), PARTS, {"sharded_state", "param_groups"},
                                     "rank"),
@@ -182,3 +188,27 @@ def test_note_names_everything_measured_in_the_ranks():
     from utils.tools.grade.verdicts import lab3_sharded_optimizer as verdicts
     assert all(word in verdicts.NOTE for word in ("Optimizer-state bytes", "inner optimizers hold",
                                                   "ZeroRedundancyOptimizer", "zero_grad", "param_groups"))
+
+
+def test_instructors_md_says_what_the_code_does(capsys):
+    """INSTRUCTORS.md's lab-3 facts, read against the code they describe: how often the tests grade each kind, the
+    steps of the fixed cases, and `grade --parts` naming the cells verdicts run by their ids in the notebook file."""
+    import inspect
+    from utils.labchecks import lab3
+    text = " ".join((ROOT / "INSTRUCTORS.md").read_text().split())
+    assert f"tests/test_grade_verdicts_lab3.py grades each kind twice (`GRADINGS = {GRADINGS}`)" in text
+    assert GRADINGS == 2 and "three times" not in text
+    group, change = lab3.GROUP, lab3.LR_CHANGE
+    assert (f"`wte.weight` added with `add_param_group` (lr {group['options']['lr']:g}) before step {group['step']}, "
+            f"every lr halved in `param_groups` before step {change['step']}") in text and change["factor"] == 0.5
+    assert f"`wte.weight` added before step {group['step']}, lr halved before step {change['step']}" in text
+    sync = inspect.signature(lab3.check_synchronisation).parameters
+    assert (f"the last rank's parameters perturbed before step {sync['at_step'].default} of "
+            f"{sync['steps'].default}") in text
+    assert grade.main(["--parts", "--labs", str(ROOT / "labs")]) == 0
+    out = capsys.readouterr().out
+    assert "by cell id (each cell's \"id\" in the notebook file)" in out
+    listed = re.search(r"lab3_sharded_optimizer:.*?by cell id [^:]*: (.*?), then the solution cells", out, re.S)
+    ids = [i.split()[0] for i in listed.group(1).split(", ")]
+    nb = read_notebook(ROOT / "labs" / "lab3_sharded_optimizer.ipynb")
+    assert ids and set(ids) <= {c.id for c in nb.cells}, ids
