@@ -8,8 +8,6 @@ earn every part; each wrong one is graded on the parts it breaks (and, where the
     inner optimizer over every parameter with the others' gradients set to None: no sharded_state;
   - groups added later given to every rank's inner optimizer: no param_groups;
   - one that ignores a learning rate changed in param_groups mid-run: no param_groups;
-  - an inner optimizer built on this rank's bare list of the first group's parameters, which torch refuses where
-    the rank owns none of them (part 4's three matrices at N = 4): no param_groups, the message says why;
   - an optimizer that keeps the whole state and never communicates: training only (2 of 10);
   - a sharded optimizer that forgets the synchronisation: sharded_state and param_groups (6 of 10);
   - torch's ZeroRedundancyOptimizer: nothing.
@@ -100,8 +98,6 @@ ADDED_TO_EVERY_RANK = [("        super().__init__(params, kwargs)       # calls 
                        ('self.shard.add_param_group({**options, "params": mine})',
                         'self.shard.add_param_group({**options, "params": group["params"] if getattr(self, "built", '
                         'False) else mine})')]
-BARE_LIST = ('self.shard = self.optimizer_cls([{**options, "params": mine}], **self.kwargs)',
-             "self.shard = self.optimizer_cls(mine, **options)   # torch.optim refuses an empty list")
 IGNORES_LR = ('shard_group.update({k: v for k, v in group.items() if k != "params"})   # e.g. a scheduler\'s lr',
               "pass")
 
@@ -138,8 +134,6 @@ KINDS = {   # name: (cells, parts graded, parts earned, what a lost part's messa
                                    "must be shared out too"),
     "ignores a mid-run lr change": (lambda: lab_cells(edited(IGNORES_LR)), ["param_groups"], set(),
                                     "copy every group's options"),
-    "inner optimizer on a bare list": (lambda: lab_cells(edited(BARE_LIST)), ["param_groups"], set(),
-                                       "empty parameter list: a rank may own no parameter of a group"),
     "whole state, no communication": (lambda: lab_cells(FULL_STATE), PARTS, {"training"}, "rank"),
     "sharded, never synchronised": (lambda: lab_cells(skip_sync=True), PARTS, {"sharded_state", "param_groups"},
                                     "rank"),
