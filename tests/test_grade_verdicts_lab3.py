@@ -182,3 +182,27 @@ def test_note_names_everything_measured_in_the_ranks():
     from utils.tools.grade.verdicts import lab3_sharded_optimizer as verdicts
     assert all(word in verdicts.NOTE for word in ("Optimizer-state bytes", "inner optimizers hold",
                                                   "ZeroRedundancyOptimizer", "zero_grad", "param_groups"))
+
+
+def test_instructors_md_says_what_the_code_does(capsys):
+    """INSTRUCTORS.md's lab-3 facts, read against the code they describe: how often the tests grade each kind, the
+    steps of the fixed cases, and `grade --parts` naming the cells verdicts run by their ids in the notebook file."""
+    import inspect
+    from utils.labchecks import lab3
+    text = " ".join((ROOT / "INSTRUCTORS.md").read_text().split())
+    assert f"tests/test_grade_verdicts_lab3.py grades each kind twice (`GRADINGS = {GRADINGS}`)" in text
+    assert GRADINGS == 2 and "three times" not in text
+    group, change = lab3.GROUP, lab3.LR_CHANGE
+    assert (f"`wte.weight` added with `add_param_group` (lr {group['options']['lr']:g}) before step {group['step']}, "
+            f"every lr halved in `param_groups` before step {change['step']}") in text and change["factor"] == 0.5
+    assert f"`wte.weight` added before step {group['step']}, lr halved before step {change['step']}" in text
+    sync = inspect.signature(lab3.check_synchronisation).parameters
+    assert (f"the last rank's parameters perturbed before step {sync['at_step'].default} of "
+            f"{sync['steps'].default}") in text
+    assert grade.main(["--parts", "--labs", str(ROOT / "labs")]) == 0
+    out = capsys.readouterr().out
+    assert "by cell id (each cell's \"id\" in the notebook file)" in out
+    listed = re.search(r"lab3_sharded_optimizer:.*?by cell id [^:]*: (.*?), then the solution cells", out, re.S)
+    ids = [i.split()[0] for i in listed.group(1).split(", ")]
+    nb = read_notebook(ROOT / "labs" / "lab3_sharded_optimizer.ipynb")
+    assert ids and set(ids) <= {c.id for c in nb.cells}, ids

@@ -131,6 +131,21 @@ def _before_step(optimizer, case, named, step):
             g["lr"] = g["lr"] * change["factor"]
 
 
+EMPTY_LIST = ("a rank may own no parameter of a group (a group of one parameter at N = 2, or of fewer parameters "
+              "than ranks: part 4 has both), and torch.optim optimizers refuse an empty list of parameters but "
+              "accept a group whose list is empty: build the inner optimizer as optimizer_cls([{**options, "
+              "\"params\": mine}], **kwargs) and add later groups with its add_param_group, one inner group per "
+              "group even when `mine` is empty (then the groups line up in step())")
+
+
+def _owns_nothing(error):
+    """Raise torch.optim's ValueError for an empty parameter list again, saying what it means here; any other
+    error as it was."""
+    if "empty parameter list" in str(error):
+        raise ValueError(f"{error}: {EMPTY_LIST}").with_traceback(error.__traceback__) from error
+    raise error
+
+
 def run_case(Optimizer, case, inputs, device=None):
     """Train with the student's optimizer on this rank; return plain data (CPU tensors, numbers).
 
@@ -152,10 +167,16 @@ def run_case(Optimizer, case, inputs, device=None):
     with torch.no_grad():
         for name, p in named.items():
             p.copy_(inputs["init"][name])
-    optimizer = _construct(Optimizer, case, named)
+    try:
+        optimizer = _construct(Optimizer, case, named)
+    except ValueError as error:
+        _owns_nothing(error)
     params, grads_left = [], 0
     for step in range(case["steps"]):
-        _before_step(optimizer, case, named, step)
+        try:
+            _before_step(optimizer, case, named, step)
+        except ValueError as error:
+            _owns_nothing(error)
         for name, p in named.items():
             grad = inputs["grads"][step].get(name)
             p.grad = None if grad is None else grad.to(device).clone()
@@ -303,7 +324,8 @@ def check_synchronisation(Optimizer, world_sizes=WORLD_SIZES, model=PLAIN, optim
         inputs, results = _run(Optimizer, [case], n, timeout)
         report(_what(case), n, judge_synchronisation(case, n, results[0], reference_run(case, inputs[0])))
         check(True, f"synchronisation at N={n}: rank {n - 1}'s parameters perturbed before step {at_step}; after "
-                    "that step and the next, every rank holds the same parameters, byte for byte")
+                    "that step and the next, every rank holds the same parameters, byte for byte (the grader draws "
+                    "the rank, not 0, and the step)")
 
 
 def check_param_groups(Optimizer, world_sizes=WORLD_SIZES, models=(PLAIN, TIED), optimizers=OPTIMIZERS,

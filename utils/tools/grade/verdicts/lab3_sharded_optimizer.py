@@ -4,7 +4,8 @@
     sharded_state    each rank's inner optimizers hold ≤ 1/N of the trainable elements + the largest parameter's,
                      and its optimizer state ≤ 1/N of the unsharded + the largest parameter's; each trainable
                      element in one rank's inner optimizers; every update right on some rank (its owner's)
-    synchronisation  a rank's parameters perturbed before a step: every rank identical, byte for byte, after it
+    synchronisation  a random rank's (not 0) parameters perturbed before a random step: every rank identical,
+                     byte for byte, after it and every later step
     param_groups     two groups at construction, add_param_group mid-training with options of its own (shared
                      out), every lr changed in param_groups mid-run, zero_grad(): every update right on its owner
 
@@ -120,6 +121,9 @@ def _case(n, rng, label, steps, perturb=False, add_group=False, optimizer=None, 
     packed = lab3.pack_inputs(case, inputs)
     label = (f"model '{spec['name']}'" if spec["name"] in FIXED else f"model of widths {spec['widths']}") + \
         (", tied" if spec.get("tied") else "") + f", {lab3.describe_optimizer(case)}"
+    if perturb:
+        label += (f", rank {case['perturb']['rank']}'s parameters perturbed before step {case['perturb']['step']} "
+                  f"(steps 0–{steps - 1})")
     if groups:
         label += ", built with 2 groups (weight decay on matrices only)"
     if add_group:
@@ -218,7 +222,8 @@ PARTS = {
                              "(a large frozen embedding) models (AdamW, Adagrad) and a random one"),
     "synchronisation": OnRanks(run_optimizer, WORLD_SIZES, _synchronisation_cases, _judge("synchronisation"), _WHAT,
                                "a rank perturbed before a step holds every other rank's parameters, byte for byte, "
-                               "after it, N = 2, 3, 4"),
+                               "after it and after every later step, N = 2, 3, 4; a random model and optimizer, "
+                               "the rank (not 0) and the step (1 to 3 of steps 0–4) drawn at random"),
     "param_groups": OnRanks(run_optimizer, WORLD_SIZES, _group_cases, _judge("param_groups"), _WHAT,
                             "two groups at construction, add_param_group mid-training with its own learning rate "
                             "(shared out: each trainable element in one rank's inner optimizers), every lr changed "
