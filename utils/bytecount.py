@@ -11,7 +11,7 @@ Two context managers, both active only in the process (rank) that enters them:
   call that reaches them another way (``dist.group.WORLD.send(...)``, or a ``send`` imported before the
   block) is not missed. A point-to-point call naming a rank that does not exist, or the calling rank
   itself, raises a ``ValueError`` that says so (gloo itself may hang, crash, or report "Pair is not
-  connected").
+  connected"), and so does one handed a non-contiguous tensor (gloo refuses it; NCCL moves the wrong bytes).
 - ``forbid_collectives()`` makes every built-in collective raise ``CollectiveForbiddenError``, however it is
   reached: ``dist.<name>``, a name imported before the block (``from torch.distributed import all_reduce``),
   the methods of a process group and of its backends (``dist.group.WORLD.allreduce([t])``), and the
@@ -312,6 +312,15 @@ def _check_peer(label, key, peer, size, me, sending):
                          "is a position among some of the ranks used as a rank?")
 
 
+def _refuse_gaps(name, tensor):
+    """Refuse a non-contiguous tensor as every backend should: gloo does, NCCL only warns and moves numel elements
+    from the view's first one on (the wrong bytes, without an error)."""
+    if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+        raise ValueError(f"dist.{name} of a non-contiguous tensor (shape {tuple(tensor.shape)}, stride "
+                         f"{tensor.stride()}): gloo refuses it and NCCL moves the wrong bytes without an error. "
+                         "Send and receive contiguous tensors (.contiguous(); slices of a 1-D tensor are).")
+
+
 def _existing_peer(name, bound, key):
     """The peer of a point-to-point call (None: any source), checked by `_check_peer`."""
     peer = _peer(bound, key)
@@ -334,6 +343,7 @@ def _counting_wrapper(label, name, original):
         bound = signature.bind(*args, **kwargs)
         sending = name in ("send", "isend")
         if name in POINT_TO_POINT:
+            _refuse_gaps(name, bound.arguments["tensor"])
             peer = _existing_peer(name, bound, "dst" if sending else "src")
         _inside.depth = 1
         try:
