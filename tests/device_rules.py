@@ -273,3 +273,125 @@ def unmoved(trees) -> list[tuple[int, str]]:
                 found.add((home[name], f"line {call.lineno} ({name}): {ast.unparse(call)[:60]} is never moved to "
                                        "the rank's device"))
     return sorted(found)
+
+
+# ------------------------------------------------------------- clocks read around work a GPU does asynchronously
+# On NCCL a collective returns to Python once it is queued on the GPU (work.wait() too: it makes the GPU wait, not
+# Python), and so do forward and backward on CUDA tensors. A clock read after them measures the queueing, not the
+# work. The check: in a function that places tensors on a device (`device`, `.to(`, `.cuda(`), two clock reads
+# (time.perf_counter, time.time, time.monotonic) with a `dist.<collective>` or a `.backward()` between them and
+# nothing between that waits for the GPU: torch.cuda.synchronize, a CUDA event's elapsed_time, `.item()`,
+# `.cpu()`, `.tolist()` (each waits for the work queued before it), or dist.barrier. The same for a
+# `with trace.span(...)` block around such work without cuda_sync= (utils/trace.py: it synchronises at both ends).
+
+CLOCKS = {"perf_counter", "time", "monotonic", "perf_counter_ns", "monotonic_ns"}
+WAITS_FOR_GPU = {"synchronize", "elapsed_time", "item", "cpu", "tolist", "barrier"}
+
+
+def _clock_read(node) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    if isinstance(func, ast.Attribute):
+        return func.attr in CLOCKS and isinstance(func.value, ast.Name) and func.value.id == "time"
+    return isinstance(func, ast.Name) and func.id in ("perf_counter", "monotonic")
+
+
+def _places_on_device(fn) -> bool:
+    for node in ast.walk(fn):
+        if isinstance(node, ast.keyword) and node.arg == "device":
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("to", "cuda"):
+            return True
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("utils.device", "device", "launching.device"):
+            return True
+    return False
+
+
+def _reached_from_launches(trees, functions) -> set:
+    """Names of the functions a launch that may pick NCCL runs (not backend="gloo"), and those they refer to."""
+    todo = [call.args[0].id for tree in trees for call in ast.walk(tree) if isinstance(call, ast.Call)
+            and _is_launch(call) and not _gloo_pinned(call) and call.args and isinstance(call.args[0], ast.Name)]
+    reached = set()
+    while todo:
+        name = todo.pop()
+        if name in functions and name not in reached:
+            reached.add(name)
+            todo += [n.id for n in ast.walk(functions[name][1]) if isinstance(n, ast.Name)]
+    return reached
+
+
+def _waits_for_gpu(call) -> bool:
+    func = call.func
+    if isinstance(func, ast.Attribute):
+        return func.attr in WAITS_FOR_GPU
+    return isinstance(func, ast.Name) and "sync" in func.id          # e.g. sync = torch.cuda.synchronize
+
+
+def timing_findings(sources: list[str], launched_only: bool = False) -> list[tuple[int, str]]:
+    """(index of the source, 'line N (function): ...') for each clock read that follows GPU work it does not wait
+    for (see above). `sources`: a notebook's cells (launched_only: only functions a launch that may pick NCCL
+    runs) or one file's text."""
+    trees = [ast.parse(source) for source in sources]
+    functions = {n.name: (index, n) for index, tree in enumerate(trees) for n in ast.walk(tree)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names = _reached_from_launches(trees, functions) if launched_only else set(functions)
+    found = {}
+    for name in sorted(names):
+        index, fn = functions[name]
+        if not _places_on_device(fn):
+            continue
+        calls = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+        clocks = [c for c in calls if _clock_read(c)]
+        for start, end in zip(clocks, clocks[1:]):
+            between = [c for c in calls if start.lineno <= c.lineno <= end.lineno and c is not start and c is not end]
+            gpu_work = [c for c in between if isinstance(c.func, ast.Attribute) and (
+                c.func.attr == "backward" or (_collective(c) and ast.unparse(c.func.value) == "dist"))]
+            if gpu_work and not any(map(_waits_for_gpu, between)):
+                innermost = min((f for f in ast.walk(fn) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                 and f.lineno <= end.lineno <= f.end_lineno), key=lambda f: f.end_lineno - f.lineno)
+                found[(index, end.lineno)] = (
+                    f"line {end.lineno} ({innermost.name}): the clock is read after {ast.unparse(gpu_work[0].func)}"
+                    "(...) without waiting for the GPU (on NCCL or CUDA it returns once queued: "
+                    "torch.cuda.synchronize() first, where tensors are on a GPU)")
+        for block in (n for n in ast.walk(fn) if isinstance(n, ast.With)):
+            spans = [item.context_expr for item in block.items if isinstance(item.context_expr, ast.Call)
+                     and ast.unparse(item.context_expr.func).endswith("span")
+                     and not any(k.arg == "cuda_sync" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+                                 for k in item.context_expr.keywords)]
+            inside = [n for statement in block.body for n in ast.walk(statement) if isinstance(n, ast.Call)]
+            gpu_work = [c for c in inside if isinstance(c.func, ast.Attribute) and (
+                c.func.attr == "backward" or (_collective(c) and ast.unparse(c.func.value) == "dist"))]
+            if spans and gpu_work and not any(map(_waits_for_gpu, inside)):
+                found[(index, block.lineno)] = (
+                    f"line {block.lineno} ({name}): {ast.unparse(spans[0])[:50]} times "
+                    f"{ast.unparse(gpu_work[0].func)}(...) without waiting for the GPU (pass cuda_sync=<its "
+                    "tensor>.is_cuda)")
+    return [(index, line) for (index, _), line in sorted(found.items())]
+
+
+# ------------------------------------------------------------- an isend-then-recv ring, where NCCL may run it
+# On gloo an isend moves in the background, so `isend` to the right, then a blocking `recv` from the left, around a
+# ring completes. On NCCL (one GPU per rank, the GPU named at init) the group's point-to-point calls run in order on
+# one stream and a send may wait for its receive: every rank's recv queues behind its own send, and the ring hangs.
+# A function a launch that may pick NCCL runs must post both together (dist.batch_isend_irecv) or order them
+# even/odd; lesson 03 shows the isend fix on gloo only (backend="gloo").
+
+
+def isend_then_recv_findings(sources: list[str], launched_only: bool = False) -> list[tuple[int, str]]:
+    """(index of the source, 'line N (function): ...') for each blocking dist.recv after a dist.isend in one function."""
+    trees = [ast.parse(source) for source in sources]
+    functions = {n.name: (index, n) for index, tree in enumerate(trees) for n in ast.walk(tree)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names = _reached_from_launches(trees, functions) if launched_only else set(functions)
+    found = []
+    for name in sorted(names):
+        index, fn = functions[name]
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and ast.unparse(n.func.value) == "dist"]
+        isends = [c.lineno for c in calls if c.func.attr == "isend"]
+        for recv in (c for c in calls if c.func.attr == "recv"):
+            if isends and min(isends) < recv.lineno:
+                found.append((index, f"line {recv.lineno} ({name}): a blocking dist.recv after dist.isend (line "
+                                     f"{min(isends)}): it can hang on NCCL; post both as one dist.batch_isend_irecv"))
+    return found

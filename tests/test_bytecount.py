@@ -271,6 +271,17 @@ def test_a_rank_sending_to_itself_is_a_clear_error():
         assert f"ProcessGroup.send with dstRank={rank}: rank {rank} sent to itself" in messages[3]
 
 
+def test_a_non_contiguous_tensor_is_refused_as_on_gloo():
+    # NCCL only warns and sends the wrong bytes; the counter refuses, before any backend (no group needed here)
+    block = torch.arange(12.0).reshape(3, 4)[:, :2]
+    with bytecount.count_bytes() as counter:
+        for call in (lambda: dist.send(block, 1), lambda: dist.irecv(block, 1), lambda: dist.isend(block, 1)):
+            with pytest.raises(ValueError, match=r"non-contiguous tensor \(shape \(3, 2\), stride \(4, 1\)\): gloo "
+                                                 "refuses it and NCCL moves the wrong bytes"):
+                call()
+    assert counter.sent == 0 and counter.received == 0
+
+
 def test_a_process_group_send_is_counted():
     zero, one = utils.launch(_group_methods_are_counted, world_size=2, timeout=60)
     assert (zero["sent"], zero["messages_sent"], one["received"], one["messages_received"]) == (20, 2, 20, 2)

@@ -111,6 +111,19 @@ def test_cpu_tensor_on_nccl_is_explained(monkeypatch):
            lab1.check_all_gather, ag_returns_none, world_sizes=(2,))
 
 
+def test_a_hang_on_nccl_says_where_the_stacks_point(monkeypatch):
+    # On NCCL a rank's Python has moved past the send that hangs: the report says so (only there).
+    def launch_that_hangs(*args, **kwargs):
+        raise utils.LaunchTimeout("no result. Where each rank is stuck (most recent call last):\n[rank 0] in got.cpu()")
+
+    monkeypatch.setattr(harness, "launch", launch_that_hangs)
+    for backend, said in (("nccl", True), ("gloo", False)):
+        monkeypatch.setattr(harness, "backend_for", lambda world_size, backend=backend: backend)
+        message = _fails(r"likely a deadlock.*Where each rank was waiting.*\[rank 0\] in got\.cpu\(\)",
+                         lab1.check_all_gather, ag_returns_none, world_sizes=(2,))
+        assert ("On NCCL (these ranks run on GPUs)" in message) == said
+
+
 # ------------------------------------------------------------------ wrong reduce-scatters
 
 def rs_returns_next_chunk(tensor):

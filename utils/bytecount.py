@@ -11,7 +11,7 @@ Two context managers, both active only in the process (rank) that enters them:
   call that reaches them another way (``dist.group.WORLD.send(...)``, or a ``send`` imported before the
   block) is not missed. A point-to-point call naming a rank that does not exist, or the calling rank
   itself, raises a ``ValueError`` that says so (gloo itself may hang, crash, or report "Pair is not
-  connected").
+  connected"), and so does one handed a non-contiguous tensor (gloo refuses it; NCCL moves the wrong bytes).
 - ``forbid_collectives()`` makes every built-in collective raise ``CollectiveForbiddenError``, however it is
   reached: ``dist.<name>``, a name imported before the block (``from torch.distributed import all_reduce``),
   the methods of a process group and of its backends (``dist.group.WORLD.allreduce([t])``), and the

@@ -13,6 +13,7 @@ import functools
 import inspect
 import threading
 
+import torch
 import torch.distributed as dist
 
 from .comm_calls import POINT_TO_POINT
@@ -100,6 +101,15 @@ def _check_peer(label, key, peer, size, me, sending):
                          "is a position among some of the ranks used as a rank?")
 
 
+def _refuse_gaps(name, tensor):
+    """Refuse a non-contiguous tensor as every backend should: gloo does, NCCL only warns and moves numel elements
+    from the view's first one on (the wrong bytes, without an error)."""
+    if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+        raise ValueError(f"dist.{name} of a non-contiguous tensor (shape {tuple(tensor.shape)}, stride "
+                         f"{tensor.stride()}): gloo refuses it and NCCL moves the wrong bytes without an error. "
+                         "Send and receive contiguous tensors (.contiguous(); slices of a 1-D tensor are).")
+
+
 def _existing_peer(name, bound, key):
     """The peer of a point-to-point call (None: any source), checked by `_check_peer`."""
     peer = _peer(bound, key)
@@ -123,6 +133,7 @@ def _counting_wrapper(label, name, original):
         bound = signature.bind(*args, **kwargs)
         sending = name in ("send", "isend")
         if name in POINT_TO_POINT:
+            _refuse_gaps(name, bound.arguments["tensor"])
             peer = _existing_peer(name, bound, "dst" if sending else "src")
         _inside.depth = 1
         try:

@@ -6,6 +6,8 @@ import os
 import torch
 import torch.distributed as dist
 
+RANK_MARKER = "COURSE_LAUNCHED_RANK"  # set inside ranks that utils.launch started (utils/rank_process.py)
+
 
 def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -19,12 +21,16 @@ def backend_for(world_size: int) -> str:
 def device() -> torch.device:
     """This rank's device: `cuda:<local rank>` under NCCL, else the CPU.
 
-    Outside any rank (the notebook process itself) it is the best single device: cuda:0 or cpu.
+    Outside any rank (the notebook process itself) it is the best single device: cuda:0 or cpu. A rank of
+    `launch(..., replace=N)` has no default group (it forms gloo groups of its own, utils/replacement.py): the CPU,
+    not cuda:0 for every rank.
     """
     if dist.is_available() and dist.is_initialized():
         if dist.get_backend() == "nccl":
             local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
             return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+    if os.environ.get(RANK_MARKER):
         return torch.device("cpu")
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 

@@ -122,13 +122,19 @@ def _check_arguments(fn, world_size, backend, timeout, threads, group_timeout=No
 
 # ---------------------------------------------------------------- the launching side
 
+# What the forkserver imports before it forks any rank: this module (and so torch), and torch._dynamo, which a
+# rank's first torch.optim constructor imports (~1-2 s per rank). Importing them must not ask the CUDA driver
+# anything (torch.cuda.is_available() initialises it): every rank is forked from the server, and a process forked
+# after that cannot use CUDA (tests/test_device_placement.py checks it).
+FORKSERVER_PRELOAD = (__name__, "torch._dynamo")
+
+
 def _forkserver_context():
     """The forkserver context, with this module (and so torch) preloaded in the server."""
     ctx = multiprocessing.get_context("forkserver")
     from multiprocessing import forkserver
     if forkserver._forkserver._forkserver_pid is None:  # not started yet: preload may still change
-        # torch._dynamo is what a rank's first torch.optim constructor imports (~1-2 s per rank).
-        ctx.set_forkserver_preload([__name__, "torch._dynamo"])
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return ctx
 
 

@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 
 from . import compat
-from .devices import backend_for
+from .devices import RANK_MARKER, backend_for  # RANK_MARKER: set inside ranks that launch() started
 from .shipping import describe_exception, dumps, to_cpu
 
-RANK_MARKER = "COURSE_LAUNCHED_RANK"  # set inside ranks that launch() started
 GENERATION = "COURSE_GENERATION"      # 0 for a launch's first ranks, n for the n-th replacement process
 
 

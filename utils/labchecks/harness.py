@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..launching import LaunchError, LaunchTimeout, launch
+from ..launching import LaunchError, LaunchTimeout, backend_for, launch
 
 TIMEOUT = 30.0  # seconds for one launch of a check; the cases themselves take well under a second
 
@@ -33,6 +33,12 @@ SEND_RECV_DEADLOCK = (
     "matching receive, from that sender, and both sides must agree on the chunk sizes).")
 
 
+# On NCCL a rank's Python does not wait in the call that hangs: it queues the call on its GPU and goes on.
+NCCL_STACKS = ("On NCCL (these ranks run on GPUs) sends, receives and collectives run on the GPU after Python has "
+               "moved on: a rank's stack below shows where it next waited for its GPU (a .cpu() or .item(), for "
+               "instance), which may come well after the call that never matched.")
+
+
 def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TIMEOUT, backend: str = "auto",
                  deadlock_hint: str = SEND_RECV_DEADLOCK):
     """`launch(rank_fn, *args)`, turning every failure into a `LabCheckFailure` that says what to do.
@@ -45,9 +51,10 @@ def run_on_ranks(rank_fn, *args, world_size: int, what: str, timeout: float = TI
         return launch(rank_fn, *args, world_size=world_size, backend=backend, timeout=timeout)
     except LaunchTimeout as err:
         where = str(err).split("Where each rank is stuck (most recent call last):", 1)[-1].strip()
+        on_gpus = (backend_for(world_size) if backend == "auto" else backend) == "nccl"
         raise LabCheckFailure(
             f"✗ {what} at N={world_size}: no result after {timeout:g} s: likely a deadlock (every rank "
-            f"is waiting for another). {deadlock_hint}\n"
+            f"is waiting for another). {deadlock_hint}\n" + (NCCL_STACKS + "\n" if on_gpus else "") +
             f"Where each rank was waiting (most recent call last):\n{where}") from None
     except LaunchError as err:
         report = str(err)

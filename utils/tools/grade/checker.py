@@ -180,8 +180,10 @@ def check(job: dict, report=lambda grade_id, verdict: None) -> dict:
     source = Path(job["verdicts"]).read_text()
     setup = {"verdicts": {"name": verdicts.__name__, "source": source}, "hidden": hidden_modules(),
              "cells": cells, "leading": leading, "timeout": task_timeout, "store": distributed}
+    # CUDA_VISIBLE_DEVICES="": the verdicts run on gloo, on the CPU, on any grading machine; with no GPU visible the
+    # first verdict process cannot initialise CUDA before it forks the ranks (a forked process cannot use it)
     env = child_environment(os.environ.get("TMPDIR", "/tmp"), OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1,
-                            MKL_NUM_THREADS=1, MPLBACKEND="Agg", COURSE_OUTPUT="grouped")
+                            MKL_NUM_THREADS=1, MPLBACKEND="Agg", COURSE_OUTPUT="grouped", CUDA_VISIBLE_DEVICES="")
     state = {"pool": None, "failure": None, "timeout": task_timeout}
     cell_errors = {}
 
