@@ -255,14 +255,7 @@ def unmoved(trees) -> list[tuple[int, str]]:
                 modules.add(name)
                 changed = True
 
-    todo = [call.args[0].id for tree in trees for call in ast.walk(tree) if isinstance(call, ast.Call)
-            and _is_launch(call) and not _gloo_pinned(call) and call.args and isinstance(call.args[0], ast.Name)]
-    reached = set()
-    while todo:
-        name = todo.pop()
-        if name in functions and name not in reached:
-            reached.add(name)
-            todo += [n.id for n in ast.walk(functions[name]) if isinstance(n, ast.Name)]
+    reached = _reached_from_launches(trees, functions)
     found = set()
     for name in reached:
         fn = functions[name]
@@ -309,7 +302,8 @@ def _places_on_device(fn) -> bool:
 
 
 def _reached_from_launches(trees, functions) -> set:
-    """Names of the functions a launch that may pick NCCL runs (not backend="gloo"), and those they refer to."""
+    """Names of the functions a launch that may pick NCCL runs (not backend="gloo"), and those they refer to.
+    `functions` maps a name to its ast node, or to a tuple whose last item is the node."""
     todo = [call.args[0].id for tree in trees for call in ast.walk(tree) if isinstance(call, ast.Call)
             and _is_launch(call) and not _gloo_pinned(call) and call.args and isinstance(call.args[0], ast.Name)]
     reached = set()
@@ -317,7 +311,8 @@ def _reached_from_launches(trees, functions) -> set:
         name = todo.pop()
         if name in functions and name not in reached:
             reached.add(name)
-            todo += [n.id for n in ast.walk(functions[name][1]) if isinstance(n, ast.Name)]
+            node = functions[name][-1] if isinstance(functions[name], tuple) else functions[name]
+            todo += [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
     return reached
 
 
