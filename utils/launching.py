@@ -125,7 +125,7 @@ def _check_arguments(fn, world_size, backend, timeout, threads, group_timeout=No
 # What the forkserver imports before it forks any rank: this module (and so torch), and torch._dynamo, which a
 # rank's first torch.optim constructor imports (~1-2 s per rank). Importing them must not ask the CUDA driver
 # anything (torch.cuda.is_available() initialises it): every rank is forked from the server, and a process forked
-# after that cannot use CUDA (tests/test_device_placement.py checks it).
+# after that cannot use CUDA (the course's device-placement test checks it).
 FORKSERVER_PRELOAD = (__name__, "torch._dynamo")
 
 
