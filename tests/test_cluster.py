@@ -108,7 +108,9 @@ def test_interrupted_run_leaves_nothing(can_run, how):
     """A holder of a cluster interrupted (Ctrl-C, SIGTERM) tears it down; one killed outright is swept up."""
     # the module run as a file: `-m utils.tools.cluster` would import the utils package, and torch with it
     holder = subprocess.Popen([sys.executable, str(ROOT / "utils" / "tools" / "cluster.py"), "hold"], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              # SIGINT at its default: a run started as a background job inherits it ignored
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         names = holder.stdout.readline().split()
         assert len(names) == 2 and set(names) <= set(cl.ours()), holder.stderr.read() if not names else names

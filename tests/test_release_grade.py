@@ -480,7 +480,8 @@ def test_an_interrupted_grader_leaves_nothing_running(scratch):
     grader = subprocess.Popen([sys.executable, "-m", "utils.tools.grade", SUBMISSIONS / "dave", "--student", "dave",
                                "--labs", FIXTURE_LABS, "--verdicts", FIXTURE_VERDICTS, "--out", scratch / "out",
                                "--verdict-timeout", "60", *sandbox_arguments()], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=(scratch / "grader.err").open("wb"))
+                              stdout=subprocess.DEVNULL, stderr=(scratch / "grader.err").open("wb"),
+                              preexec_fn=_ctrl_c_interrupts)
     seen, deadline, orphan = set(), time.monotonic() + 120, None
     try:
         while orphan is None and time.monotonic() < deadline:  # dave's average is running in a verdict
@@ -508,6 +509,13 @@ def test_an_interrupted_grader_leaves_nothing_running(scratch):
     alive = [p for p in map(_process, seen) if p is not None and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"left running: {[command_line(p) for p in alive]}"
     assert not folder.parent.exists(), "the submission's private folder was removed"
+
+
+def _ctrl_c_interrupts():
+    """In the grader's process: SIGINT back to its default, so Python turns it into KeyboardInterrupt. A test run
+    started as a background job of a non-interactive shell inherits SIGINT ignored (Python then keeps ignoring it),
+    and the grader would never see this test's Ctrl-C: two clean-clone runs started as `(make test &)` failed so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _state(proc) -> str:
