@@ -29,6 +29,8 @@ students cannot predict them.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -138,12 +140,16 @@ EMPTY_LIST = ("a rank may own no parameter of a group (a group of one parameter 
               "group even when `mine` is empty (then the groups line up in step())")
 
 
-def _owns_nothing(error):
-    """Raise torch.optim's ValueError for an empty parameter list again, saying what it means here; any other
-    error as it was."""
-    if "empty parameter list" in str(error):
-        raise ValueError(f"{error}: {EMPTY_LIST}").with_traceback(error.__traceback__) from error
-    raise error
+@contextlib.contextmanager
+def _owns_nothing_explained():
+    """torch.optim's ValueError for an empty parameter list, raised again saying what it means here; any other
+    error passes as it was."""
+    try:
+        yield
+    except ValueError as error:
+        if "empty parameter list" in str(error):
+            raise ValueError(f"{error}: {EMPTY_LIST}").with_traceback(error.__traceback__) from error
+        raise
 
 
 def run_case(Optimizer, case, inputs, device=None):
@@ -167,16 +173,12 @@ def run_case(Optimizer, case, inputs, device=None):
     with torch.no_grad():
         for name, p in named.items():
             p.copy_(inputs["init"][name])
-    try:
+    with _owns_nothing_explained():
         optimizer = _construct(Optimizer, case, named)
-    except ValueError as error:
-        _owns_nothing(error)
     params, grads_left = [], 0
     for step in range(case["steps"]):
-        try:
+        with _owns_nothing_explained():
             _before_step(optimizer, case, named, step)
-        except ValueError as error:
-            _owns_nothing(error)
         for name, p in named.items():
             grad = inputs["grads"][step].get(name)
             p.grad = None if grad is None else grad.to(device).clone()
