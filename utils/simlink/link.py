@@ -74,8 +74,10 @@ class SimWork:
 
 
 class HostCost(NamedTuple):
-    """How late handles complete beyond their modelled end (seconds), against the link's α."""
+    """How late handles complete beyond their modelled end (seconds), against the link's α: the median, the
+    75th and the 90th percentile of `samples` handles."""
     median: float
+    p75: float
     p90: float
     alpha: float
     samples: int
@@ -83,7 +85,7 @@ class HostCost(NamedTuple):
     def __str__(self):
         ratio = f" = {self.median / self.alpha:.2f} α" if self.alpha > 0 else ""
         return (f"host cost {self.median * 1e3:.3g} ms vs α {self.alpha * 1e3:.3g} ms per message{ratio} "
-                f"(median of {self.samples} handles; p90 {self.p90 * 1e3:.3g} ms)")
+                f"(median of {self.samples} handles; p75 {self.p75 * 1e3:.3g} ms, p90 {self.p90 * 1e3:.3g} ms)")
 
 
 class SimulatedLink(FutureCompletion):
@@ -172,8 +174,8 @@ class SimulatedLink(FutureCompletion):
             self._table = None
 
     def measure_host_cost(self, repeats: int = 21, nbytes: int = 256, compute=None) -> HostCost:
-        """Median and 90th percentile of how late a `nbytes` all-reduce's handle completes beyond its modelled
-        end, at this link's current α and bandwidth: every rank of the group must call it (it all-reduces).
+        """Median, 75th and 90th percentile of how late a `nbytes` all-reduce's handle completes beyond its
+        modelled end, at this link's current α and bandwidth: every rank of the group must call it (it all-reduces).
 
         `compute()`, if given, runs between issue and wait (keep it shorter than the operation). Samples are
         every rank's handles; the result is the same on every rank.
@@ -192,7 +194,8 @@ class SimulatedLink(FutureCompletion):
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(everyone, mine, group=self.group)
         xs = sorted(torch.cat(everyone).tolist())
-        return HostCost(statistics.median(xs), xs[min(len(xs) - 1, int(0.9 * len(xs)))], self.alpha, len(xs))
+        rank_of = [xs[min(len(xs) - 1, int(q * len(xs)))] for q in (0.75, 0.9)]
+        return HostCost(statistics.median(xs), *rank_of, self.alpha, len(xs))
 
     # ------------------------------------------------------------------ machinery
     def _check_tensor(self, name, tensor):
