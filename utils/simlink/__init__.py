@@ -1,7 +1,8 @@
 """A simulated network link per rank: communication takes α + bytes/bandwidth, so slow links show on a CPU.
 
-On one machine, gloo moves bytes between processes through memory: far faster (and far noisier) than any
-network between GPUs. `SimulatedLink` gives each rank a link with a latency α and a bandwidth you choose:
+On one machine, gloo moves bytes between processes over loopback TCP sockets, on the cores that also compute:
+its timing is that of the CPU scheduler and the loopback, not that of a network between GPUs, and it scatters
+with the machine's load. `SimulatedLink` gives each rank a link with a latency α and a bandwidth you choose:
 
     link = SimulatedLink(alpha=1e-3, bandwidth=100e6)      # 1 ms per message, 100 MB/s (bytes per second)
     link.all_reduce(grad)                                   # real all-reduce + the ring's time on this link
