@@ -62,10 +62,3 @@ def test_throughput_is_tokens_per_step_over_the_median_step_after_warm_up():
     assert t.low <= t.q1 <= t.median <= t.q3 <= t.high
     with pytest.raises(ValueError, match="warm-up"):
         throughput(steps[:5], 1000, warmup=5)
-
-
-def test_other_load_flags_a_machine_busier_than_its_cores():
-    from utils.timing import other_load
-    assert other_load(8.9, 8.1, cores=2, own=7 / 3) == 8.9            # lesson 02's stored run: busy
-    assert other_load(1.9, 2.9, cores=2, own=7 / 3) is None             # quiet: only the runs' own load
-    assert other_load(0.5, 6.0, cores=2, own=7 / 3) == 6.0 - 7 / 3      # load arrived during the runs

@@ -47,3 +47,18 @@ def test_runs_from_python_through_launch():
     proc = run([sys.executable, str(SCRIPT), "--nproc", "2", "--steps", "100", "--log-every", "0"])
     check_report(proc.stdout, world_size=2, steps=100)
     assert proc.stderr == "", proc.stderr
+
+
+def test_time_allreduce_reports_the_timed_steps_cpu_and_wall_time():
+    import runpy
+
+    import utils
+    train = runpy.run_path(str(SCRIPT), run_name="train_ddp")["train"]
+    runs = utils.launch(train, world_size=2, threads=1, steps=8, warmup_steps=3, batch_size=4, seq_len=16,
+                        num_sequences=64, time_allreduce=True)
+    for r in runs:
+        # 5 timed steps: the window covers them, and one compute thread (plus gloo's) cannot use much more than it
+        assert r["timed_wall_s"] >= 3 * r["allreduce_ms"] / 1e3 and r["timed_wall_s"] > 0   # 3 steps at least that long
+        assert 0 < r["timed_cpu_s"] <= 1.5 * r["timed_wall_s"] + 0.02
+        if Path("/proc/stat").exists():
+            assert r["machine_busy_s"] is not None and r["machine_busy_s"] >= 0

@@ -118,15 +118,3 @@ def throughput(step_seconds: Sequence[float], tokens_per_step: float, warmup: in
     t = Spread.of(kept)
     return Spread(tokens_per_step / t.median, tokens_per_step / t.q3, tokens_per_step / t.q1,
                   tokens_per_step / t.high, tokens_per_step / t.low, t.count)
-
-
-def other_load(load_before: float, load_after: float, cores: int, own: float) -> float | None:
-    """The 1-minute load average that is not the timed runs' own, when it exceeds `cores`; else None.
-
-    `own` is the mean number of processes the timed runs kept busy (it is in `load_after`, not in
-    `load_before`). A load beyond the core count means other processes competed for the cores: a bound
-    that assumes the runs had the cores to themselves does not hold, and a verdict against it is not
-    resolved. (`load_before` also counts the tail of the caller's own earlier runs, so it errs towards busy.)
-    """
-    others = max(load_before, load_after - own)
-    return others if others > cores else None

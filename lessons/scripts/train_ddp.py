@@ -48,6 +48,18 @@ def parameter_checksum(model: torch.nn.Module) -> tuple[float, str]:
     return total, digest.hexdigest()[:16]
 
 
+def machine_busy_seconds() -> float | None:
+    """CPU seconds that all processes of this machine have spent busy since boot, from Linux's /proc/stat
+    (counted in clock ticks of 1/100 s per core); None where /proc/stat does not exist."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]  # guest time is in user
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def timed_allreduce_hook(seconds: list, bucket):  # no return annotation: DDP checks it, and this module postpones annotations
     """DDP comm hook: average one gradient bucket with a blocking all-reduce, adding its duration to seconds[-1].
 
@@ -74,7 +86,9 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     parameter checksum, tokens/s of the whole job, epochs started. Throughput is measured as in lesson 01:
     after `warmup_steps` steps, the job's tokens per step over the median step time (with its spread).
     time_allreduce=True averages the gradients through a timed comm hook (the same all-reduce, blocking)
-    and adds this rank's medians, in ms over the timed steps: the whole step, the all-reduce, the rest.
+    and adds this rank's medians, in ms over the timed steps: the whole step, the all-reduce, the rest;
+    and, over all timed steps together, in seconds: the wall time, this process's CPU time (all its threads,
+    gloo's included) and the CPU time all processes of the machine spent busy (None off Linux).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = utils.device()
@@ -99,6 +113,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
 
     losses, step_seconds, step, epoch = [], [], 0, 0
     last = time.perf_counter()
+    # (wall, process CPU, machine busy) when the timed steps begin (time_allreduce only)
+    window = (last, time.process_time(), machine_busy_seconds()) if time_allreduce and warmup_steps == 0 else None
     while step < steps:
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         for x, y in loader:
@@ -116,6 +132,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
             step_seconds.append(now - last)  # loading the batch included
             last = now
             step += 1
+            if time_allreduce and step == warmup_steps:
+                window = (now, time.process_time(), machine_busy_seconds())
             if log_every and rank == 0 and step % log_every == 0:
                 print(f"step {step:4d}  loss {loss.item():.4f}")
             if step == steps:
@@ -130,10 +148,13 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     rate = throughput(step_seconds, tokens_per_step, warmup_steps) if steps > warmup_steps else None
     timings = {}
     if time_allreduce and steps > warmup_steps:
+        cpu_end, busy_end = time.process_time(), machine_busy_seconds()
         timed = list(zip(step_seconds, allreduce_seconds))[warmup_steps:]
         median_ms = lambda values: 1e3 * statistics.median(values)
         timings = {"step_ms": median_ms([s for s, _ in timed]), "allreduce_ms": median_ms([a for _, a in timed]),
-                   "outside_allreduce_ms": median_ms([s - a for s, a in timed])}
+                   "outside_allreduce_ms": median_ms([s - a for s, a in timed]),
+                   "timed_wall_s": last - window[0], "timed_cpu_s": cpu_end - window[1],
+                   "machine_busy_s": None if busy_end is None else busy_end - window[2]}
     return {**timings,
         "rank": rank,
         "world_size": world_size,
