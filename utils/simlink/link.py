@@ -52,7 +52,8 @@ class SimWork:
     """Handle of one operation on a link: `wait()` blocks (sleeping) until it is done; `get_future()` for hooks.
 
     `start`, `end`: when the simulated network carries it (None until settled); `done`: when the handle
-    completed (>= end, and >= the real operation); `issued`: when this rank issued it.
+    completed (>= end, and >= the real operation); `issued`: when this rank issued it; `real_done`: when this
+    rank saw the real operation complete.
     """
 
     def __init__(self, link, index, issued, seconds, real=None, seq=None, result=None):
@@ -61,6 +62,11 @@ class SimWork:
         self._real_done = None
         self._future = None
         self.start = self.end = self.done = None
+
+    @property
+    def real_done(self):
+        """When this rank saw the real operation complete (None until settled; `issued` for a plain message)."""
+        return self._real_done
 
     def wait(self) -> bool:
         self._link._wait(self)
