@@ -265,6 +265,31 @@ def test_hang_times_out_with_every_ranks_stack_and_kills_grandchildren(tmp_path)
     assert not left, f"still running (a load-only failure once: say what they are): {describe(set(left))}"
 
 
+def test_what_a_rank_started_is_killed_when_the_rank_ended_first(tmp_path):
+    # A rank that returned, or died, before the launch ended leaves no process it started: the launcher kills
+    # its group after the rank is gone (the rank's anchor keeps the group's id from being reused meanwhile).
+    def start_child():
+        return subprocess.Popen(["sleep", "300"]).pid  # never waited for
+
+    children = utils.launch(start_child, world_size=2)
+    left = wait_gone(children, seconds=5)
+    assert not left, f"left by ranks that returned: {describe(set(left))}"
+
+    def die():
+        child = subprocess.Popen(["sleep", "300"])
+        with open(os.path.join(str(tmp_path), f"pid-child-{dist.get_rank()}"), "w") as f:
+            f.write(str(child.pid))
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(300)
+
+    with pytest.raises(utils.LaunchError, match="rank 1 was killed by signal SIGKILL"):
+        utils.launch(die, world_size=2, timeout=60)
+    children = [int(open(tmp_path / f"pid-child-{r}").read()) for r in range(2)]
+    left = wait_gone(children, seconds=5)
+    assert not left, f"left by a rank that was killed: {describe(set(left))}"
+
+
 def describe(pids) -> list:
     """pid, state, parent, process group and command of each pid: what a failed 'nothing left' check needs."""
     out = []

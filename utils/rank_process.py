@@ -2,8 +2,9 @@
 
 A rank leads its own process group (so the launcher can kill all it starts), sends its stdout and stderr
 (C-level too) to the launcher over sockets, dumps its Python stack on SIGUSR1 (the launcher's hang report),
-dies with the launcher (a watchdog thread), initialises the default process group and runs `fn`; its result or
-its exception travels back over a pipe. A replacement rank (`launch(..., replace=N)`) starts the same way with
+dies with the launcher (a watchdog thread), leaves an anchor in its group (a shell that lets the launcher kill
+what the rank started after the rank is gone, and kills it if the launcher dies), initialises the default
+process group and runs `fn`; its result or its exception travels back over a pipe. A replacement rank (`launch(..., replace=N)`) starts the same way with
 its generation in COURSE_GENERATION and no default group: the survivors' group cannot take a newcomer, so
 `fn` forms fresh groups with utils/replacement.py.
 """
@@ -30,9 +31,10 @@ from .shipping import describe_exception, dumps, to_cpu
 GENERATION = "COURSE_GENERATION"      # 0 for a launch's first ranks, n for the n-th replacement process
 
 
-def _rank_main(spec, result_conn, control_conn):
+def _rank_main(spec, result_conn, control_conn, anchor_conn=None):
     """Body of every rank process: set up, run fn, report, exit."""
     os.setsid()  # lead a process group, so the launcher can kill everything this rank starts
+    _start_anchor(control_conn, anchor_conn)
     rank, world_size = spec["rank"], spec["world_size"]
     _connect_output(rank, spec["output_port"])
     os.environ.clear()
@@ -103,6 +105,33 @@ def _connect_output(rank, port):
                                   errors="backslashreplace", line_buffering=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True)
+
+
+# The anchor: a shell in the rank's group that outlives the rank. It keeps the group's id (the rank's pid) from
+# naming anyone else while it lives (Linux reuses no pid that a live group still has as its id), so the launcher
+# can kill the group after the rank itself is gone, and it kills the group itself when the launcher closes the
+# control pipe (at the end of the launch, or when the launching process dies). Its stdout is the anchor pipe:
+# the launcher sees it closed exactly when the anchor is gone.
+_ANCHOR = "while read -r _; do :; done; kill -9 0"
+
+
+def _start_anchor(control_conn, anchor_conn):
+    """Spawn this rank's anchor (stdin: the control pipe; stdout: the anchor pipe), then drop our end of the latter."""
+    if anchor_conn is None:
+        return
+    for fd in os.listdir("/proc/self/fd"):  # the pipes the forkserver passed us are inheritable: keep them here
+        try:
+            if int(fd) > 2:
+                os.set_inheritable(int(fd), False)
+        except OSError:
+            pass
+    try:
+        os.posix_spawn("/bin/sh", ["sh", "-c", _ANCHOR], os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, control_conn.fileno(), 0), (os.POSIX_SPAWN_DUP2, anchor_conn.fileno(), 1),
+            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
+    except OSError:
+        pass  # no anchor: the pipe closes with this rank, and the launcher kills the group only while the rank lives
+    anchor_conn.close()
 
 
 def _exit_with_launcher(control_conn):
