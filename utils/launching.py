@@ -246,7 +246,7 @@ class _Launch(RankOutput, FailureReports):
         spec = dict(rank=rank, world_size=self.world_size, backend=self.backend,
                     store_port=self.store_port,
                     output_port=self.output_server.getsockname()[1],
-                    stack_file=self._stack_path(rank), generation=self.generation_of.get(rank, 0),
+                    stack_file=self._stack_path(rank), tmp=self.tmp.name, generation=self.generation_of.get(rank, 0),
                     group_timeout=getattr(self, "group_timeout", None), replace=getattr(self, "replaceable", False),
                     threads=self.threads, env=self.env, timeout=self.timeout, payload=self.payload)
         proc = ctx.Process(target=_rank_main, args=(spec, result_send, control_recv, anchor_send),

@@ -14,6 +14,7 @@ import faulthandler
 import gc
 import io
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -34,7 +35,7 @@ GENERATION = "COURSE_GENERATION"      # 0 for a launch's first ranks, n for the 
 def _rank_main(spec, result_conn, control_conn, anchor_conn=None):
     """Body of every rank process: set up, run fn, report, exit."""
     os.setsid()  # lead a process group, so the launcher can kill everything this rank starts
-    _start_anchor(control_conn, anchor_conn)
+    _start_anchor(control_conn, anchor_conn, spec.get("tmp") or "")
     rank, world_size = spec["rank"], spec["world_size"]
     _connect_output(rank, spec["output_port"])
     os.environ.clear()
@@ -48,10 +49,11 @@ def _rank_main(spec, result_conn, control_conn, anchor_conn=None):
     # with "Gloo connectFullMesh failed ... Connection closed by peer". torch's store-based barrier
     # holds every rank until all have connected.
     os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
+    _temp_files_in(spec.get("tmp"))
     stack_file = open(spec["stack_file"], "w")
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    threading.Thread(target=_exit_with_launcher, args=(control_conn,), daemon=True,
+    threading.Thread(target=_exit_with_launcher, args=(control_conn, spec.get("tmp")), daemon=True,
                      name="launcher-watchdog").start()
     torch.set_num_threads(spec["threads"])
     dist.set_debug_level_from_env()  # torch was imported before the notebook set the variable
@@ -84,6 +86,15 @@ def _rank_main(spec, result_conn, control_conn, anchor_conn=None):
     os._exit(0)
 
 
+def _temp_files_in(folder):
+    """multiprocessing's own temporary folder (pymp-*: the listener of a tensor sent through a Pipe) goes inside
+    the launch's folder, which the launcher removes: a rank ends with os._exit, so the finalizer that would remove
+    it never runs. Not where a socket's path would be too long for AF_UNIX (108 bytes)."""
+    if folder and len(folder) < 64:
+        import multiprocessing.process
+        multiprocessing.process.current_process()._config["tempdir"] = folder
+
+
 def _device_options(backend, local_rank):
     """Before a NCCL group forms: make `local_rank`'s GPU this process's current one and return the options that
     bind the group to it (device_id, where torch takes it). Nothing for gloo."""
@@ -109,13 +120,14 @@ def _connect_output(rank, port):
 
 # The anchor: a shell in the rank's group that outlives the rank. It keeps the group's id (the rank's pid) from
 # naming anyone else while it lives (Linux reuses no pid that a live group still has as its id), so the launcher
-# can kill the group after the rank itself is gone, and it kills the group itself when the launcher closes the
-# control pipe (at the end of the launch, or when the launching process dies). Its stdout is the anchor pipe:
-# the launcher sees it closed exactly when the anchor is gone.
-_ANCHOR = "while read -r _; do :; done; kill -9 0"
+# can kill the group after the rank itself is gone. If the control pipe closes while it lives, the launching
+# process died (was killed): the anchor removes the launch's folder ($1), which that process can no longer
+# remove, and kills the group. (At a launch's end the launcher kills the group before it closes the pipe.)
+# Its stdout is the anchor pipe: the launcher sees it closed exactly when the anchor is gone.
+_ANCHOR = 'while read -r _; do :; done; rm -rf -- "$1"; kill -9 0'
 
 
-def _start_anchor(control_conn, anchor_conn):
+def _start_anchor(control_conn, anchor_conn, folder):
     """Spawn this rank's anchor (stdin: the control pipe; stdout: the anchor pipe), then drop our end of the latter."""
     if anchor_conn is None:
         return
@@ -126,7 +138,7 @@ def _start_anchor(control_conn, anchor_conn):
         except OSError:
             pass
     try:
-        os.posix_spawn("/bin/sh", ["sh", "-c", _ANCHOR], os.environ, file_actions=[
+        os.posix_spawn("/bin/sh", ["sh", "-c", _ANCHOR, "sh", folder], os.environ, file_actions=[
             (os.POSIX_SPAWN_DUP2, control_conn.fileno(), 0), (os.POSIX_SPAWN_DUP2, anchor_conn.fileno(), 1),
             (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
     except OSError:
@@ -134,12 +146,15 @@ def _start_anchor(control_conn, anchor_conn):
     anchor_conn.close()
 
 
-def _exit_with_launcher(control_conn):
-    """Watchdog: when the launching process goes away, take this rank's whole group with it."""
+def _exit_with_launcher(control_conn, folder=None):
+    """Watchdog: when the launching process goes away, remove its launch's folder (it cannot any more) and take
+    this rank's whole group with it (the anchor does the same: whichever wakes first)."""
     try:
         control_conn.recv()
     except (EOFError, OSError):
         pass
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
     os.killpg(0, signal.SIGKILL)
 
 
