@@ -1,12 +1,15 @@
 """utils.launch: results, output, failures, hangs, interrupts, cleanup, isolation, arguments."""
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import types
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -263,6 +266,99 @@ def test_hang_times_out_with_every_ranks_stack_and_kills_grandchildren(tmp_path)
     children = [int(open(tmp_path / f"pid-child-{r}").read()) for r in range(3)]
     left = wait_gone(pids_in(tmp_path) + children)
     assert not left, f"still running (a load-only failure once: say what they are): {describe(set(left))}"
+
+
+def test_what_a_rank_started_is_killed_when_the_rank_ended_first(tmp_path):
+    # A rank that returned, or died, before the launch ended leaves no process it started: the launcher kills
+    # its group after the rank is gone (the rank's anchor keeps the group's id from being reused meanwhile).
+    def start_child():
+        return subprocess.Popen(["sleep", "300"]).pid  # never waited for
+
+    children = utils.launch(start_child, world_size=2)
+    left = wait_gone(children, seconds=5)
+    assert not left, f"left by ranks that returned: {describe(set(left))}"
+
+    def die():
+        child = subprocess.Popen(["sleep", "300"])
+        with open(os.path.join(str(tmp_path), f"pid-child-{dist.get_rank()}"), "w") as f:
+            f.write(str(child.pid))
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(300)
+
+    with pytest.raises(utils.LaunchError, match="rank 1 was killed by signal SIGKILL"):
+        utils.launch(die, world_size=2, timeout=60)
+    children = [int(open(tmp_path / f"pid-child-{r}").read()) for r in range(2)]
+    left = wait_gone(children, seconds=5)
+    assert not left, f"left by a rank that was killed: {describe(set(left))}"
+
+
+TEMP_SCRIPT = textwrap.dedent("""
+    import multiprocessing, time, torch, torch.multiprocessing, utils
+    def send_a_tensor():  # through a Pipe: multiprocessing makes its pymp-* folder and a listener in the rank
+        a, b = multiprocessing.Pipe()
+        a.send(torch.ones(3).share_memory_())
+        return b.recv().sum().item()
+    def fail():
+        send_a_tensor()
+        1 / 0
+    def hang():
+        send_a_tensor()
+        time.sleep(300)
+    assert utils.launch(send_a_tensor, world_size=2) == [3.0, 3.0]
+    for fn, timeout in ((fail, 60), (hang, 3)):
+        try:
+            utils.launch(fn, world_size=2, timeout=timeout)
+        except utils.LaunchError as error:
+            print(type(error).__name__, flush=True)
+""")
+
+
+def test_a_launch_leaves_nothing_in_the_temp_dir():
+    # Success, failure and timeout: the ranks end with os._exit, so nothing of theirs removes what multiprocessing
+    # made in the temp dir (pymp-*/listener-*); it goes inside the launch's own folder, which the launcher removes.
+    # A short per-test TMPDIR (an AF_UNIX socket's path must stay under 108 bytes); torchinductor_* is torch's
+    # cache, made once per temp dir when torch is imported, not by a launch.
+    tmp = tempfile.mkdtemp(prefix="tmpchk-")
+    try:
+        proc = subprocess.run([sys.executable, "-c", TEMP_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, TMPDIR=tmp, COURSE_OUTPUT="grouped"))
+        assert proc.returncode == 0 and proc.stdout.split() == ["LaunchError", "LaunchTimeout"], proc.stderr
+        left = [name for name in os.listdir(tmp) if not name.startswith("torchinductor_")]
+        assert not left, f"left in the temp dir: {[str(p) for n in left for p in Path(tmp, n).rglob('*')] or left}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+KILLED_SCRIPT = textwrap.dedent("""
+    import os, sys, time, utils, torch.distributed as dist
+    def wait():
+        open(os.path.join(sys.argv[1], f"pid-{dist.get_rank()}"), "w").write(str(os.getpid()))
+        time.sleep(300)
+    utils.launch(wait, world_size=2, timeout=300)
+""")
+
+
+def test_a_killed_launcher_leaves_no_launch_folder(tmp_path):
+    # The launching process is killed mid-launch: its ranks' anchors remove the launch's folder as they end the
+    # ranks. (The killed process's own multiprocessing folder, pymp-*, is not ours to remove.)
+    tmp = tempfile.mkdtemp(prefix="tmpchk-")
+    try:
+        launcher = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT, str(tmp_path)], cwd=REPO,
+                                    env=dict(os.environ, TMPDIR=tmp))
+        end = time.monotonic() + 60
+        while len(pids_in(tmp_path)) < 2 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert len(pids_in(tmp_path)) == 2 and [n for n in os.listdir(tmp) if n.startswith("launch-")]
+        launcher.kill()
+        launcher.wait()
+        assert not wait_gone(pids_in(tmp_path))
+        end = time.monotonic() + 10
+        while [n for n in os.listdir(tmp) if n.startswith("launch-")] and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not [n for n in os.listdir(tmp) if n.startswith("launch-")], os.listdir(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def describe(pids) -> list:

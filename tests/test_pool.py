@@ -14,6 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import utils
 from utils import pool, warmup
+from utils.rank_process import _ANCHOR as ANCHOR
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
@@ -169,8 +170,11 @@ def test_fifty_cells_leak_no_descriptors_or_processes(shell, running):
         cell(shell, f"dist.all_reduce(t)\nprint({i})\n{i}")
     assert (open_fds(), [open_fds(p) for p in ranks]) == fds
     assert pids(running) == ranks and all(alive(p) for p in ranks)
-    children = subprocess.run(["pgrep", "-g", ",".join(map(str, ranks))], capture_output=True, text=True)
-    assert sorted(map(int, children.stdout.split())) == sorted(ranks)   # each rank's group holds just the rank
+    group = subprocess.run(["pgrep", "-g", ",".join(map(str, ranks))], capture_output=True, text=True)
+    members = [int(p) for p in group.stdout.split()]
+    anchors = [p for p in members if p not in ranks and ANCHOR in open(f"/proc/{p}/cmdline").read()]
+    # each rank's group holds just the rank and its anchor (utils/rank_process.py)
+    assert sorted(members) == sorted(ranks + anchors) and len(anchors) == len(ranks)
 
 
 def test_status_stop_and_one_shot_again(shell, running, capfd):

@@ -21,6 +21,8 @@ def start(folder, *extra):
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")   # pytorch/pytorch#135712, as the lesson does
     folder.mkdir()
+    (folder / "tmp").mkdir()
+    env["TMPDIR"] = str(folder / "tmp")   # torchrun's log folder (torchelastic_*) goes here, not into /tmp
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", str(SCRIPT), "--folder", str(folder), "--steps", "12", "--every", "4", *extra]
     with open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:   # files: a hung worker

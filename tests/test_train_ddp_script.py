@@ -14,8 +14,10 @@ SCRIPT = ROOT / "lessons" / "scripts" / "train_ddp.py"
 LINE = re.compile(r"rank (\d+): final loss ([\d.]+)  checksum (-?[\d.]+)  digest ([0-9a-f]+)")
 
 
-def run(cmd, timeout=240):
+def run(cmd, timeout=240, tmp=None):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", COURSE_OUTPUT="grouped")
+    if tmp is not None:   # torchrun leaves its log folder (torchelastic_*) in the temp dir: a per-test one
+        env["TMPDIR"] = str(tmp)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
@@ -33,12 +35,14 @@ def check_report(stdout, world_size, steps):
     assert f"world size {world_size}:" in stdout and "replicas identical: True" in stdout
 
 
-def test_runs_unchanged_under_torchrun():
+def test_runs_unchanged_under_torchrun(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun not installed next to this Python")
     proc = run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-                "--steps", "100", "--log-every", "0"])
+                "--steps", "100", "--log-every", "0"], tmp=tmp_path)
+    # what torchrun left landed in the test's own temp dir (which pytest removes), not in /tmp
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("torchelastic_")], list(tmp_path.iterdir())
     check_report(proc.stdout, world_size=2, steps=100)
     assert "Warning" not in proc.stderr, proc.stderr
 

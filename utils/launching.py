@@ -18,8 +18,9 @@ Why it is built this way:
 - A failing rank (exception, exit, signal) or a hang (nothing finished by `timeout`) raises
   `LaunchError` / `LaunchTimeout` with the remote traceback or every rank's Python stack (a stopped
   rank is named by its process state), and all processes the launch started are killed: each rank
-  leads its own process group, and a watchdog thread in every rank kills that group if the launching
-  process disappears (utils/failure_reports.py writes the reports).
+  leads its own process group, which the launcher kills at the end even after the rank itself is gone
+  (an "anchor" process in the group keeps its id ours), and which a watchdog thread in every rank and
+  the anchor kill if the launching process disappears (utils/failure_reports.py writes the reports).
 - `replace=N` starts a new process in place of a rank that dies, up to N times, while the others go
   on; they and the newcomer form fresh groups with utils/replacement.py.
 
@@ -182,6 +183,7 @@ class _Launch(RankOutput, FailureReports):
         self.tmp = tempfile.TemporaryDirectory(prefix="launch-")
         self.selector = selectors.DefaultSelector()
         self.procs, self.result_conns, self.control_conns, self.sockets = [], {}, [], []
+        self.anchors = {}  # process -> read end of its anchor pipe (utils/rank_process.py)
         try:
             self._open_rendezvous()
             self._start_ranks(payload)
@@ -240,18 +242,21 @@ class _Launch(RankOutput, FailureReports):
         ctx = _forkserver_context()
         result_recv, result_send = ctx.Pipe(duplex=False)
         control_recv, control_send = ctx.Pipe(duplex=False)
+        anchor_recv, anchor_send = ctx.Pipe(duplex=False)
         spec = dict(rank=rank, world_size=self.world_size, backend=self.backend,
                     store_port=self.store_port,
                     output_port=self.output_server.getsockname()[1],
-                    stack_file=self._stack_path(rank), generation=self.generation_of.get(rank, 0),
+                    stack_file=self._stack_path(rank), tmp=self.tmp.name, generation=self.generation_of.get(rank, 0),
                     group_timeout=getattr(self, "group_timeout", None), replace=getattr(self, "replaceable", False),
                     threads=self.threads, env=self.env, timeout=self.timeout, payload=self.payload)
-        proc = ctx.Process(target=_rank_main, args=(spec, result_send, control_recv),
+        proc = ctx.Process(target=_rank_main, args=(spec, result_send, control_recv, anchor_send),
                            name=f"rank-{rank}", daemon=True)
         with _main_module_hidden():
             proc.start()
         result_send.close()
         control_recv.close()
+        anchor_send.close()
+        self.anchors[proc] = anchor_recv
         self.control_conns.append(control_send)
         self.result_conns[rank] = result_recv
         self.selector.register(result_recv, selectors.EVENT_READ, ("result", rank))
@@ -263,6 +268,7 @@ class _Launch(RankOutput, FailureReports):
         self.replace -= 1
         self.generation_of[rank] = self.generation_of.get(rank, 0) + 1
         self.retired.append(self.procs[rank])
+        self._kill_group(self.procs[rank])  # what the dead rank started goes with it
         old = self.result_conns[rank]
         self._unregister(old)
         old.close()
@@ -355,24 +361,40 @@ class _Launch(RankOutput, FailureReports):
                 self._handle(key)
 
     def _stop_all(self):
-        for proc in getattr(self, "procs", []):
-            # Only a rank still alive: once the forkserver has reaped one, its pid (and group id) can
-            # be reused at once by a rank of another launch, which a stale killpg would kill
-            # (seen as "Gloo connectFullMesh failed ... Connection closed by peer" in a parallel run).
-            # is_alive() is True only before the reaping, so the pid still names our rank.
-            try:
-                alive = proc.is_alive()
-            except (AttributeError, ValueError):  # never started, or already closed
-                continue
-            if not alive:
-                continue
-            for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
-                try:  # the group catches anything the rank started; kill() covers a rank not yet in it
-                    kill()
-                except (ProcessLookupError, PermissionError, AttributeError, ValueError):
-                    pass
+        for proc in getattr(self, "procs", []) + getattr(self, "retired", []):
+            self._kill_group(proc)
         for proc in getattr(self, "procs", []) + getattr(self, "retired", []):
             proc.join(5)
+
+    def _kill_group(self, proc):
+        """Kill a rank's process group (the rank and all it started), if its id still names that group.
+
+        The group's id is the rank's pid. Once the forkserver has reaped a rank and its group is empty, that
+        number can be reused at once by a rank of another launch, which a stale killpg would kill (seen as "Gloo
+        connectFullMesh failed ... Connection closed by peer" in a parallel run). It names our group while the
+        rank is alive (not yet reaped) or while the rank's anchor lives: a process of the group, which Linux
+        never lets a pid be reused under. A rank that ended on its own (a result, an exit, a signal) leaves the
+        anchor, so what it started (`subprocess.Popen` without a wait) is killed too.
+        """
+        try:
+            alive = proc.is_alive()
+        except (AttributeError, ValueError):  # never started, or already closed
+            return
+        anchor = getattr(self, "anchors", {}).get(proc)
+        try:
+            anchored = anchor is not None and not anchor.poll(0)  # readable = closed: the anchor is gone
+        except (OSError, ValueError):
+            anchored = False
+        if not (alive or anchored):
+            return
+        kills = [lambda: os.killpg(proc.pid, signal.SIGKILL)]
+        if alive:  # kill() covers a rank not yet in its group
+            kills.append(proc.kill)
+        for kill in kills:
+            try:
+                kill()
+            except (ProcessLookupError, PermissionError, AttributeError, ValueError):
+                pass
 
     def _close(self):
         for conn in self.control_conns + list(self.result_conns.values()) + self.sockets:
@@ -382,6 +404,8 @@ class _Launch(RankOutput, FailureReports):
             self.output_server.close()
         if getattr(self, "store", None) is not None:
             del self.store
+        for conn in getattr(self, "anchors", {}).values():
+            conn.close()
         for proc in self.procs + getattr(self, "retired", []):
             proc.close()
         self.tmp.cleanup()

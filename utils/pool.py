@@ -74,6 +74,7 @@ class Pool(CellOutcomes, _Launch):
         self.tmp = tempfile.TemporaryDirectory(prefix="pool-")
         self.selector = selectors.DefaultSelector()
         self.procs, self.result_conns, self.control_conns, self.sockets = [], {}, [], []
+        self.anchors = {}
         self.conns, self.pids, self.devices = {}, {}, {}
         self.keys = {r: set() for r in range(self.world_size)}   # names each rank has
         self.counts = {r: 0 for r in range(self.world_size)}     # default-group collectives each rank ran

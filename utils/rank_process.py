@@ -2,8 +2,9 @@
 
 A rank leads its own process group (so the launcher can kill all it starts), sends its stdout and stderr
 (C-level too) to the launcher over sockets, dumps its Python stack on SIGUSR1 (the launcher's hang report),
-dies with the launcher (a watchdog thread), initialises the default process group and runs `fn`; its result or
-its exception travels back over a pipe. A replacement rank (`launch(..., replace=N)`) starts the same way with
+dies with the launcher (a watchdog thread), leaves an anchor in its group (a shell that lets the launcher kill
+what the rank started after the rank is gone, and kills it if the launcher dies), initialises the default
+process group and runs `fn`; its result or its exception travels back over a pipe. A replacement rank (`launch(..., replace=N)`) starts the same way with
 its generation in COURSE_GENERATION and no default group: the survivors' group cannot take a newcomer, so
 `fn` forms fresh groups with utils/replacement.py.
 """
@@ -13,6 +14,7 @@ import faulthandler
 import gc
 import io
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -30,9 +32,10 @@ from .shipping import describe_exception, dumps, to_cpu
 GENERATION = "COURSE_GENERATION"      # 0 for a launch's first ranks, n for the n-th replacement process
 
 
-def _rank_main(spec, result_conn, control_conn):
+def _rank_main(spec, result_conn, control_conn, anchor_conn=None):
     """Body of every rank process: set up, run fn, report, exit."""
     os.setsid()  # lead a process group, so the launcher can kill everything this rank starts
+    _start_anchor(control_conn, anchor_conn, spec.get("tmp") or "")
     rank, world_size = spec["rank"], spec["world_size"]
     _connect_output(rank, spec["output_port"])
     os.environ.clear()
@@ -46,10 +49,11 @@ def _rank_main(spec, result_conn, control_conn):
     # with "Gloo connectFullMesh failed ... Connection closed by peer". torch's store-based barrier
     # holds every rank until all have connected.
     os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
+    _temp_files_in(spec.get("tmp"))
     stack_file = open(spec["stack_file"], "w")
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    threading.Thread(target=_exit_with_launcher, args=(control_conn,), daemon=True,
+    threading.Thread(target=_exit_with_launcher, args=(control_conn, spec.get("tmp")), daemon=True,
                      name="launcher-watchdog").start()
     torch.set_num_threads(spec["threads"])
     dist.set_debug_level_from_env()  # torch was imported before the notebook set the variable
@@ -82,6 +86,15 @@ def _rank_main(spec, result_conn, control_conn):
     os._exit(0)
 
 
+def _temp_files_in(folder):
+    """multiprocessing's own temporary folder (pymp-*: the listener of a tensor sent through a Pipe) goes inside
+    the launch's folder, which the launcher removes: a rank ends with os._exit, so the finalizer that would remove
+    it never runs. Not where a socket's path would be too long for AF_UNIX (108 bytes)."""
+    if folder and len(folder) < 64:
+        import multiprocessing.process
+        multiprocessing.process.current_process()._config["tempdir"] = folder
+
+
 def _device_options(backend, local_rank):
     """Before a NCCL group forms: make `local_rank`'s GPU this process's current one and return the options that
     bind the group to it (device_id, where torch takes it). Nothing for gloo."""
@@ -105,12 +118,43 @@ def _connect_output(rank, port):
                                   errors="backslashreplace", line_buffering=True)
 
 
-def _exit_with_launcher(control_conn):
-    """Watchdog: when the launching process goes away, take this rank's whole group with it."""
+# The anchor: a shell in the rank's group that outlives the rank. It keeps the group's id (the rank's pid) from
+# naming anyone else while it lives (Linux reuses no pid that a live group still has as its id), so the launcher
+# can kill the group after the rank itself is gone. If the control pipe closes while it lives, the launching
+# process died (was killed): the anchor removes the launch's folder ($1), which that process can no longer
+# remove, and kills the group. (At a launch's end the launcher kills the group before it closes the pipe.)
+# Its stdout is the anchor pipe: the launcher sees it closed exactly when the anchor is gone.
+_ANCHOR = 'while read -r _; do :; done; rm -rf -- "$1"; kill -9 0'
+
+
+def _start_anchor(control_conn, anchor_conn, folder):
+    """Spawn this rank's anchor (stdin: the control pipe; stdout: the anchor pipe), then drop our end of the latter."""
+    if anchor_conn is None:
+        return
+    for fd in os.listdir("/proc/self/fd"):  # the pipes the forkserver passed us are inheritable: keep them here
+        try:
+            if int(fd) > 2:
+                os.set_inheritable(int(fd), False)
+        except OSError:
+            pass
+    try:
+        os.posix_spawn("/bin/sh", ["sh", "-c", _ANCHOR, "sh", folder], os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, control_conn.fileno(), 0), (os.POSIX_SPAWN_DUP2, anchor_conn.fileno(), 1),
+            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
+    except OSError:
+        pass  # no anchor: the pipe closes with this rank, and the launcher kills the group only while the rank lives
+    anchor_conn.close()
+
+
+def _exit_with_launcher(control_conn, folder=None):
+    """Watchdog: when the launching process goes away, remove its launch's folder (it cannot any more) and take
+    this rank's whole group with it (the anchor does the same: whichever wakes first)."""
     try:
         control_conn.recv()
     except (EOFError, OSError):
         pass
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
     os.killpg(0, signal.SIGKILL)
 
 

@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,6 +98,7 @@ class Cluster:
         self.rate_bytes = _rate_bytes(rate) if rate else None
         self.slot = None
         self.processes: list[subprocess.Popen] = []
+        self.temp_dirs: list[str] = []   # the torchrun agents' TMPDIRs (their torchelastic_* logs), removed by down()
         self._previous_sigterm = None
 
     # ---- names and addresses
@@ -192,6 +194,9 @@ class Cluster:
         for proc in self.processes:
             _stop(proc)
         self.processes.clear()
+        for folder in self.temp_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.temp_dirs.clear()
         if self.slot is None:
             return
         for name in self.names():
@@ -242,6 +247,9 @@ class Cluster:
         rendezvous host. Returns the agents (stdout/stderr as popen_kwargs say)."""
         env = dict(os.environ if env is None else env)
         env["GLOO_SOCKET_IFNAME"] = IFACE
+        # torchrun leaves its log folder (torchelastic_*) in the temp dir: give the agents one that down() removes
+        env["TMPDIR"] = tempfile.mkdtemp(prefix="torchrun-")
+        self.temp_dirs.append(env["TMPDIR"])
         agents = []
         for node in range(self.nodes):
             argv = [sys.executable, "-m", "torch.distributed.run"] + torchrun_options(
