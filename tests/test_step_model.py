@@ -34,6 +34,10 @@ def test_halving_doubling_and_hierarchical():
     # 16 ranks, 8 per node: intra ring of 8 on M, inter ring of 2 on M/8
     t = hierarchical_all_reduce_seconds(800.0, 16, 8, 1.0, 100.0, 10.0, 1.0)
     assert t == pytest.approx(2 * 7 * (1.0 + 100 / 100.0) + 2 * 1 * (10.0 + 50 / 1.0))
+    # 256 ranks in 32 nodes, a log-N all-reduce across the nodes: 2·log₂ 32 = 10 messages there, not a ring's 2·31
+    t = hierarchical_all_reduce_seconds(800.0, 256, 8, 1.0, 100.0, 10.0, 1.0,
+                                        inter_allreduce=halving_doubling_all_reduce_seconds)
+    assert t == pytest.approx(2 * 7 * (1.0 + 100 / 100.0) + 2 * 5 * 10.0 + 2 * 31 / 32 * 100 / 1.0)
     with pytest.raises(ValueError):
         hierarchical_all_reduce_seconds(1, 10, 8, 1, 1, 1, 1)
 

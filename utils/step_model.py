@@ -54,15 +54,17 @@ def halving_doubling_any_n_all_reduce_seconds(nbytes: float, n: int, alpha: floa
 
 
 def hierarchical_all_reduce_seconds(nbytes: float, n: int, per_node: int, alpha_intra: float,
-                                    bandwidth_intra: float, alpha_inter: float, bandwidth_inter: float) -> float:
-    """Two-level all-reduce: reduce-scatter inside each node (ring of `per_node`), ring all-reduce of each
-    1/per_node shard across the n/per_node nodes, all-gather inside the node. Assumes each GPU has its own
+                                    bandwidth_intra: float, alpha_inter: float, bandwidth_inter: float,
+                                    inter_allreduce=ring_all_reduce_seconds) -> float:
+    """Two-level all-reduce: reduce-scatter inside each node (ring of `per_node`), an all-reduce of each
+    1/per_node shard across the n/per_node nodes (a ring unless `inter_allreduce` says otherwise, e.g.
+    `halving_doubling_any_n_all_reduce_seconds`), all-gather inside the node. Assumes each GPU has its own
     inter-node link at bandwidth_inter, so the per_node shards cross the network in parallel."""
     if n % per_node:
         raise ValueError(f"n = {n} is not a multiple of per_node = {per_node}")
     nodes = n // per_node
     intra = ring_all_reduce_seconds(nbytes, per_node, alpha_intra, bandwidth_intra)   # reduce-scatter + all-gather
-    inter = ring_all_reduce_seconds(nbytes / per_node, nodes, alpha_inter, bandwidth_inter)
+    inter = inter_allreduce(nbytes / per_node, nodes, alpha_inter, bandwidth_inter)
     return intra + inter
 
 
