@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 _CHECKOUT = Path(__file__).resolve().parents[2]
@@ -63,7 +62,10 @@ def machine_busy_seconds() -> float | None:
 def timed_allreduce_hook(seconds: list, bucket):  # no return annotation: DDP checks it, and this module postpones annotations
     """DDP comm hook: average one gradient bucket with a blocking all-reduce, adding its duration to seconds[-1].
 
-    The duration includes any wait for the slowest rank to reach the all-reduce."""
+    The duration includes any wait for the slowest rank to reach the all-reduce. Written for gloo on CPUs (where
+    the lesson runs it). Not run on a GPU: there the synchronize below would also wait for backward kernels still
+    queued when the hook fires (so the time includes compute), and with several buckets the blocking hook would
+    serialise them, removing the overlap with backward that DDP's own hook allows."""
     buffer = bucket.buffer()
     start = time.perf_counter()
     dist.all_reduce(buffer)
@@ -87,9 +89,9 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     after `warmup_steps` steps, the job's tokens per step over the median step time (with its spread).
     time_allreduce=True averages the gradients through a timed comm hook (the same all-reduce, blocking)
     and adds this rank's medians, in ms over the timed steps: the whole step, the all-reduce, the rest;
-    and, over all timed steps together, in seconds: the wall time, this process's CPU time (all its threads,
-    gloo's included) and the CPU time all processes of the machine spent busy (None off Linux).
-    """
+    and, over all timed steps together, in seconds: the wall time, the time in the all-reduce, this process's
+    CPU time (all its threads, gloo's included) and the CPU time all processes of the machine spent busy
+    (None off Linux)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = utils.device()
 
@@ -104,7 +106,10 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     config = GPTConfig(vocab_size=source.vocab_size, block_size=seq_len, n_layer=n_layer,
                        n_head=n_head, n_embd=n_embd)
     model = GPT(config).to(device)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # The model's only buffers are its causal masks, constants equal on every rank: DDP need not broadcast them
+    # before every forward (its default), so the gradient all-reduce is the step's one collective
+    ddp_model = utils.compat.ddp(model, forward_sync_buffers=False,
+                                 device_ids=[device.index] if device.type == "cuda" else None)
     allreduce_seconds = []  # per step: seconds spent in the gradient all-reduce (time_allreduce only)
     if time_allreduce:
         ddp_model.register_comm_hook(allreduce_seconds, timed_allreduce_hook)
@@ -153,7 +158,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
         median_ms = lambda values: 1e3 * statistics.median(values)
         timings = {"step_ms": median_ms([s for s, _ in timed]), "allreduce_ms": median_ms([a for _, a in timed]),
                    "outside_allreduce_ms": median_ms([s - a for s, a in timed]),
-                   "timed_wall_s": last - window[0], "timed_cpu_s": cpu_end - window[1],
+                   "timed_wall_s": last - window[0], "timed_allreduce_s": sum(a for _, a in timed),
+                   "timed_cpu_s": cpu_end - window[1],
                    "machine_busy_s": None if busy_end is None else busy_end - window[2]}
     return {**timings,
         "rank": rank,
