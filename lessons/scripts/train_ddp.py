@@ -49,7 +49,7 @@ def parameter_checksum(model: torch.nn.Module) -> tuple[float, str]:
 
 def machine_busy_seconds() -> float | None:
     """CPU seconds that all processes of this machine have spent busy since boot, from Linux's /proc/stat
-    (counted in clock ticks of 1/100 s per core); None where /proc/stat does not exist."""
+    (counted in clock ticks per core, SC_CLK_TCK of them a second); None where /proc/stat does not exist."""
     try:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
