@@ -127,7 +127,8 @@ def part_allreduce(cluster, sizes, repeats):
             fitted = step_model.ring_all_reduce_seconds(size, n, alpha, bandwidth)
             print(f"  {size // KiB:>5d} KiB  {median * 1e3:8.1f} ({spread.low * 1e3:.1f}–{spread.high * 1e3:.1f})"
                   f"  {mb(bus):>13s}  {bus / cluster.rate_bytes:8.2f}  {fitted * 1e3:6.1f} ms")
-        print(f"  fit: α = {alpha * 1e3:.3f} ms per message, bandwidth {mb(bandwidth)} = "
+        bound = " (the free line's intercept was negative: α held at its bound 0)" if alpha == 0 else ""
+        print(f"  fit: α = {alpha * 1e3:.3f} ms per message{bound}, bandwidth {mb(bandwidth)} = "
               f"{bandwidth / cluster.rate_bytes:.2f} × the shaped rate {mb(cluster.rate_bytes)}")
     return fits
 

@@ -209,3 +209,24 @@ def test_the_lessons_cluster_cells_say_what_they_need_and_ignore_their_output():
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code" and "cluster" in "".join(c["source"])]
     needing = [src for src in code if src.startswith("%%requires cluster")]
     assert needing and all(src.startswith("%%requires cluster\n# NBVAL_IGNORE_OUTPUT\n") for src in needing)
+
+
+def test_alpha_beta_fit_recovers_a_known_link_and_never_returns_a_negative_latency():
+    """fit_alpha_beta (no cluster needed): exact times of a known ring give back its α and bandwidth; times whose free
+    line has a negative intercept (CI's shaped link once gave α = −0.026 ms, which the simulator then refused) give
+    α = 0 and the through-origin bandwidth; times that do not grow with the size are refused with a reason."""
+    from utils.tools.linkbench import fit_alpha_beta
+    sizes = [64 * 1024, 256 * 1024, 1024 * 1024, 4096 * 1024]
+    n, alpha, bandwidth = 4, 0.4e-3, 25e6
+    exact = [2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for s in sizes]
+    got_alpha, got_bandwidth = fit_alpha_beta(sizes, exact, n)
+    assert got_alpha == pytest.approx(alpha, rel=1e-9) and got_bandwidth == pytest.approx(bandwidth, rel=1e-9)
+    ci_medians = [5.2e-3, 15.1e-3, 68.6e-3, 271.7e-3]                   # the failing CI run's N = 4 medians
+    got_alpha, got_bandwidth = fit_alpha_beta(sizes, ci_medians, n)
+    slope = sum(x * y for x, y in zip(sizes, ci_medians)) / sum(x * x for x in sizes)
+    assert got_alpha == 0.0 and got_bandwidth == pytest.approx(2 * (n - 1) / n / slope, rel=1e-12)
+    assert 0.9 < got_bandwidth / bandwidth < 1.0
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_alpha_beta(sizes, [0.01, 0.01, 0.009, 0.009], n)
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        fit_alpha_beta([sizes[0]], [0.01], n)
