@@ -314,7 +314,7 @@ def test_what_the_forkserver_preloads_asks_the_cuda_driver_nothing():
     import subprocess
     import sys
 
-    from utils.launching import FORKSERVER_PRELOAD
+    from utils.forkserver import FORKSERVER_PRELOAD
     script = f'''
 import importlib, torch
 asked = []

@@ -340,8 +340,9 @@ KILLED_SCRIPT = textwrap.dedent("""
 
 
 def test_a_killed_launcher_leaves_no_launch_folder(tmp_path):
-    # The launching process is killed mid-launch: its ranks' anchors remove the launch's folder as they end the
-    # ranks. (The killed process's own multiprocessing folder, pymp-*, is not ours to remove.)
+    # The launching process is killed mid-launch (as nbval and papermill stop a notebook's kernel): its ranks' anchors
+    # remove the launch's folder as they end the ranks, and its forkserver, ending with it, removes the killed
+    # process's own multiprocessing folder (pymp-*, where the server's socket is: utils/forkserver.py).
     tmp = tempfile.mkdtemp(prefix="tmpchk-")
     try:
         launcher = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT, str(tmp_path)], cwd=REPO,
@@ -354,9 +355,9 @@ def test_a_killed_launcher_leaves_no_launch_folder(tmp_path):
         launcher.wait()
         assert not wait_gone(pids_in(tmp_path))
         end = time.monotonic() + 10
-        while [n for n in os.listdir(tmp) if n.startswith("launch-")] and time.monotonic() < end:
+        while [n for n in os.listdir(tmp) if n.startswith(("launch-", "pymp-"))] and time.monotonic() < end:
             time.sleep(0.1)
-        assert not [n for n in os.listdir(tmp) if n.startswith("launch-")], os.listdir(tmp)
+        assert not [n for n in os.listdir(tmp) if n.startswith(("launch-", "pymp-"))], os.listdir(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -28,8 +28,6 @@ The rank's side is utils/rank_process.py; what travels between them, utils/shipp
 """
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
 import selectors
 import signal
@@ -41,7 +39,7 @@ from datetime import timedelta
 
 import cloudpickle
 
-from . import compat
+from . import compat, forkserver
 from .devices import _gpu_count, backend_for, default_threads, describe, device
 from .failure_reports import FailureReports, LaunchError, LaunchTimeout
 from .output_mode import RankOutput, executor_name, output_is_live
@@ -123,43 +121,6 @@ def _check_arguments(fn, world_size, backend, timeout, threads, group_timeout=No
 
 # ---------------------------------------------------------------- the launching side
 
-# What the forkserver imports before it forks any rank: this module (and so torch), and torch._dynamo, which a
-# rank's first torch.optim constructor imports (~1-2 s per rank). Importing them must not ask the CUDA driver
-# anything (torch.cuda.is_available() initialises it): every rank is forked from the server, and a process forked
-# after that cannot use CUDA (the course's device-placement test checks it).
-FORKSERVER_PRELOAD = (__name__, "torch._dynamo")
-
-
-def _forkserver_context():
-    """The forkserver context, with this module (and so torch) preloaded in the server."""
-    ctx = multiprocessing.get_context("forkserver")
-    from multiprocessing import forkserver
-    if forkserver._forkserver._forkserver_pid is None:  # not started yet: preload may still change
-        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    return ctx
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """Keep multiprocessing from re-importing the launching script in every rank.
-
-    fn travels by value, so a rank never needs `__main__`; re-running a script without an
-    `if __name__ == "__main__":` guard would even launch again from inside the rank.
-    """
-    main = sys.modules["__main__"]
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-
-
-
 class _Launch(RankOutput, FailureReports):
     """One launch: its processes, sockets, store and temporary files, and their cleanup."""
 
@@ -239,7 +200,7 @@ class _Launch(RankOutput, FailureReports):
 
     def _start_rank(self, rank):
         """Start one rank's process (a first one, or a replacement) and watch its result pipe and its exit."""
-        ctx = _forkserver_context()
+        ctx = forkserver.context()
         result_recv, result_send = ctx.Pipe(duplex=False)
         control_recv, control_send = ctx.Pipe(duplex=False)
         anchor_recv, anchor_send = ctx.Pipe(duplex=False)
@@ -251,7 +212,7 @@ class _Launch(RankOutput, FailureReports):
                     threads=self.threads, env=self.env, timeout=self.timeout, payload=self.payload)
         proc = ctx.Process(target=_rank_main, args=(spec, result_send, control_recv, anchor_send),
                            name=f"rank-{rank}", daemon=True)
-        with _main_module_hidden():
+        with forkserver.main_module_hidden():
             proc.start()
         result_send.close()
         control_recv.close()

@@ -44,8 +44,8 @@ def start() -> None:
 
 def _warm():
     try:
-        from .launching import _forkserver_context
-        process = _forkserver_context().Process(target=os.getpid, name="warmup")
+        from .forkserver import context
+        process = context().Process(target=os.getpid, name="warmup")
         process.start()  # returns once the forkserver forked it: its preload (torch) is done
         process.kill()   # the probe itself has nothing to do
         process.join(10)
