@@ -116,7 +116,7 @@ def part_allreduce(cluster, sizes, repeats):
         times = run_ranks(cluster, placement, "utils.tools.linkbench:allreduce_times", sizes=sizes,
                           repeats=repeats)[0]
         medians = [statistics.median(times[str(s)]) for s in sizes]
-        alpha, bandwidth = fit_alpha_beta(sizes, medians, n)
+        alpha, bandwidth = fit_alpha_beta(sizes, medians, n, nonnegative=True)  # the simulator's α
         fits[n] = (alpha, bandwidth)
         print(f"\nall-reduce, N = {n} ({n // 2} rank(s) per node), {repeats} interleaved repeats per size:")
         print(f"  {'size':>9s}  {'median (min–max) ms':>22s}  {'bus bandwidth':>13s}  {'/ shaped':>8s}  "

@@ -61,13 +61,15 @@ def run_ranks(cluster, placement: list[int], function: str, timeout: float = 300
         return [json.loads((Path(folder) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def fit_alpha_beta(sizes: list[float], seconds: list[float], n: int) -> tuple[float, float]:
+def fit_alpha_beta(sizes: list[float], seconds: list[float], n: int,
+                   nonnegative: bool = False) -> tuple[float, float]:
     """Least-squares line through (size, seconds) read as a ring all-reduce on n ranks,
     t = 2(n−1)·α + 2(n−1)/n · size / bandwidth; returns (α in seconds, bandwidth in bytes per second).
 
-    α is a latency, so the fit is constrained to α ≥ 0: when the free line's intercept is negative (a shaped link's
-    token bucket lets the smallest message through faster than the rate, or noise outweighs a latency far below the
-    transfer times), the line through the origin is the best fit with α ≥ 0 and α = 0 is returned."""
+    The free line's intercept can come out negative (a shaped link's token bucket lets the smallest message through
+    faster than the rate, or noise outweighs a latency far below the transfer times); it is returned as it is, for a
+    caller that reads its sign (lesson 03). With nonnegative=True the fit is constrained to α ≥ 0 (what a simulated
+    link accepts): then a negative intercept gives the line through the origin, the best fit with α ≥ 0, and α = 0."""
     if len(sizes) != len(seconds) or len(set(sizes)) < 2:
         raise ValueError(f"fit_alpha_beta needs at least two distinct sizes, one time per size; got sizes={sizes}, "
                          f"seconds={seconds}")
@@ -77,7 +79,7 @@ def fit_alpha_beta(sizes: list[float], seconds: list[float], n: int) -> tuple[fl
     slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds))
              / sum((x - mean_x) ** 2 for x in sizes))
     intercept = mean_y - slope * mean_x
-    if intercept < 0:
+    if nonnegative and intercept < 0:
         slope, intercept = sum(x * y for x, y in zip(sizes, seconds)) / sum(x * x for x in sizes), 0.0
     if slope <= 0:
         raise ValueError(f"fit_alpha_beta: the times do not grow with the size (slope {slope:.3g} s/byte), so they "
