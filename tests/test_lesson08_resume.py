@@ -54,7 +54,7 @@ def test_state_derived_from_the_step_resumes_bitwise_and_the_check_can_fail(less
     resumes bitwise, and one that is a step off parts at the first resumed step."""
     cell = next(c for c in json.loads(LESSON.read_text())["cells"]
                 if "".join(c["source"]).startswith("def sampler_state_after"))
-    exec("".join(cell["source"]).split("\nderived = ")[0], lesson)          # its definitions, not its run
+    exec("".join(cell["source"]).split("\nearly = ")[0], lesson)            # its definitions, not its runs
     right = lesson["from_the_step"]
     with tempfile.TemporaryDirectory() as folder:
         bitwise_claim(lesson, folder, leave_out=("sampler", "schedule"), derive=right)
