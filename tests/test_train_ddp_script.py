@@ -66,3 +66,57 @@ def test_time_allreduce_reports_the_timed_steps_cpu_and_wall_time():
         assert 0 < r["timed_cpu_s"] <= 1.5 * r["timed_wall_s"] + 0.02
         if Path("/proc/stat").exists():
             assert r["machine_busy_s"] is not None and r["machine_busy_s"] >= 0
+
+
+def _script():
+    import runpy
+    return runpy.run_path(str(SCRIPT), run_name="train_ddp")
+
+
+def test_machine_busy_seconds_reads_only_the_given_cpus(tmp_path):
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
+    stat.write_text("cpu  1000 0 1000 9000 0 0 0 0 0 0\n"
+                    "cpu0 100 1 10 5000 7 2 3 4 0 0\n"
+                    "cpu1 200 0 20 4000 0 0 0 0 0 0\n"
+                    "cpu2 700 0 970 0 0 0 0 0\n"
+                    "intr 12345 0 0\nctxt 999\n")
+    busy = _script()["machine_busy_seconds"]
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert busy({0}, str(stat)) == pytest.approx(120 * tick)
+    assert busy({0, 1}, str(stat)) == pytest.approx(340 * tick)
+    assert busy({1, 2}, str(stat)) == pytest.approx(1890 * tick)     # the all-CPU line is never counted
+    assert busy(set(), str(stat)) == 0
+    assert busy({0}, str(tmp_path / "missing")) is None
+    if Path("/proc/stat").exists():                                  # default: this process's affinity set
+        assert busy() == pytest.approx(busy(os.sched_getaffinity(0)), abs=1.0)
+
+
+def _cgroup_tree(tmp_path, cgroup, files):
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    for name, text in files.items():
+        path = tmp_path / "sys/fs/cgroup" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("cgroup, files, cores", [
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),                                  # v2, no quota
+    ("0::/\n", {"cpu.max": "150000 100000\n"}, 1.5),                                # v2, docker --cpus 1.5
+    ("0::/a/b\n", {"cpu.max": "max 100000\n", "a/cpu.max": "200000 100000\n",
+                   "a/b/cpu.max": "max 100000\n"}, 2.0),                            # v2, an ancestor's quota
+    ("0::/\n", {}, None),                                                           # no files
+    ("4:memory:/x\n2:cpu,cpuacct:/docker/abc\n",
+     {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, None),   # v1, none
+    ("2:cpu,cpuacct:/docker/abc\n",
+     {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n",
+      "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 0.5),                # v1, quota on its own cgroup
+    ("1:cpu:/\n0::/\n", {"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n",
+                         "cpu.max": "100000 100000\n"}, 1.0),                       # hybrid: the smaller counts
+])
+def test_cpu_quota_cores_reads_cgroup_v1_and_v2(tmp_path, cgroup, files, cores):
+    quota = _script()["cpu_quota_cores"]
+    assert quota(_cgroup_tree(tmp_path, cgroup, files)) == cores
+    assert quota(str(tmp_path / "nowhere")) is None

@@ -47,16 +47,57 @@ def parameter_checksum(model: torch.nn.Module) -> tuple[float, str]:
     return total, digest.hexdigest()[:16]
 
 
-def machine_busy_seconds() -> float | None:
-    """CPU seconds that all processes of this machine have spent busy since boot, from Linux's /proc/stat
-    (counted in clock ticks per core, SC_CLK_TCK of them a second); None where /proc/stat does not exist."""
+def machine_busy_seconds(cpus=None, stat: str = "/proc/stat") -> float | None:
+    """CPU seconds that all processes of this machine have spent busy since boot on the CPUs `cpus` (default: the
+    ones this process may run on, its affinity set), from the per-CPU lines of Linux's /proc/stat (counted in clock
+    ticks per core, SC_CLK_TCK of them a second); None where that file does not exist."""
     try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
+        with open(stat) as f:
+            lines = f.read().splitlines()
     except OSError:
         return None
-    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]  # guest time is in user
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    if cpus is None:
+        cpus = os.sched_getaffinity(0)
+    ticks = 0
+    for line in lines:
+        name, *values = line.split()
+        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:   # cpu0, cpu1, ... (not the total)
+            user, nice, system, idle, iowait, irq, softirq, steal = ([int(v) for v in values] + [0] * 8)[:8]
+            ticks += user + nice + system + irq + softirq + steal                   # guest time is in user
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_quota_cores(root: str = "/") -> float | None:
+    """The cores a cgroup CPU quota lets this process's cgroup use (Docker's --cpus, a Kubernetes CPU limit): quota
+    over period, the smallest set on its cgroup or an ancestor (cgroup v2: cpu.max; v1: cpu.cfs_quota_us and
+    cpu.cfs_period_us), as listed in /proc/self/cgroup; None where no quota is set or Linux's files are missing.
+    `root` stands for / (the tests pass a fake tree). The affinity set does not show such a quota."""
+    base = Path(root)
+    try:
+        entries = (base / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for entry in entries:
+        _, controllers, path = entry.split(":", 2)
+        if controllers and "cpu" not in controllers.split(","):
+            continue
+        mount = base / "sys/fs/cgroup" / controllers        # v2 (no controllers listed): /sys/fs/cgroup itself
+        parts = Path(path.lstrip("/")).parts
+        for depth in range(len(parts), -1, -1):             # the cgroup, then its ancestors up to the mount's root
+            folder = mount.joinpath(*parts[:depth])
+            try:
+                if controllers:
+                    quota = int((folder / "cpu.cfs_quota_us").read_text())
+                    period = int((folder / "cpu.cfs_period_us").read_text())
+                else:
+                    quota, period = (folder / "cpu.max").read_text().split()
+                    quota, period = (-1 if quota == "max" else int(quota)), int(period)
+            except (OSError, ValueError):
+                continue
+            if quota > 0 and period > 0:
+                quotas.append(quota / period)
+    return min(quotas, default=None)
 
 
 def timed_allreduce_hook(seconds: list, bucket):  # no return annotation: DDP checks it, and this module postpones annotations
@@ -90,8 +131,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     time_allreduce=True averages the gradients through a timed comm hook (the same all-reduce, blocking)
     and adds this rank's medians, in ms over the timed steps: the whole step, the all-reduce, the rest;
     and, over all timed steps together, in seconds: the wall time, the time in the all-reduce, this process's
-    CPU time (all its threads, gloo's included) and the CPU time all processes of the machine spent busy
-    (None off Linux)."""
+    CPU time (all its threads, gloo's included) and the CPU time all processes of the machine spent busy on
+    the CPUs this rank may run on (None off Linux)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = utils.device()
 
