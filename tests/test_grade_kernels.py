@@ -4,6 +4,7 @@ Over TCP every headless kernel warns "Kernel is running over TCP without encrypt
 jupyter_client's default relative path the sockets land in the notebook's folder. utils/tools/kernels.py puts
 them in a short private folder under /tmp and removes it; `make run` (utils/tools/run.py) uses it.
 """
+import os
 import subprocess
 import sys
 import tempfile
@@ -138,3 +139,46 @@ def test_keep_going_reports_every_graded_check_of_a_lab():
         assert "FAILED: 1 of 3 checks did not pass (second)" in lines[0], done.stdout
         assert lines[1:4] == ["✓ first", "✗ second: AssertionError: ✗ second: got 3", "✓ third"], done.stdout
         assert "1 notebook executed: 0 without an error, 1 with one" in done.stdout
+
+
+# A cell that starts a multiprocessing forkserver (as a lesson's utils.launch does) and writes down the kernel's
+# multiprocessing folder (pymp-*, where the server's socket is).
+FORKSERVER_CELL = ("import multiprocessing, multiprocessing.util\n"
+                   "process = multiprocessing.get_context('forkserver').Process(target=len, args=([],))\n"
+                   "process.start()\nprocess.join()\n"
+                   "open('pymp.txt', 'w').write(multiprocessing.util.get_temp_dir())")
+
+
+def forkserver_notebook(folder: Path) -> Path:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(FORKSERVER_CELL)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(folder / "forkserver.ipynb"))
+    return folder / "forkserver.ipynb"
+
+
+def test_a_stopped_kernel_leaves_nothing_in_the_temp_folder():
+    # papermill and the grader stop a kernel by killing its process group, forkserver included: neither runs its exit
+    # cleanup, and the pymp-* folder stayed in /tmp, one per notebook run. It is in the private folder now.
+    from nbclient import NotebookClient
+
+    with tempfile.TemporaryDirectory(prefix="test-kernels-") as folder:
+        nb = nbformat.read(str(forkserver_notebook(Path(folder))), as_version=4)
+        with ipc_kernel_manager_class() as manager_class:
+            NotebookClient(nb, kernel_manager_class=manager_class, resources={"metadata": {"path": folder}}).execute()
+        pymp = Path((Path(folder) / "pymp.txt").read_text())
+        assert pymp.name.startswith("pymp-") and not pymp.exists(), f"left: {pymp}"
+
+
+def test_nbval_kernels_leave_nothing_in_the_temp_folder():
+    # nbval kills a kernel's process group too: conftest.py gives its kernels a session folder that it removes. The
+    # notebook is outside the repository, so the root conftest.py is named as a plugin (python -m pytest: cwd on path).
+    with tempfile.TemporaryDirectory(prefix="test-kernels-") as folder:
+        path, temp = forkserver_notebook(Path(folder)), Path(folder) / "t"
+        temp.mkdir()
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                               "--nbval-lax", "--nbval-current-env", path], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, TMPDIR=str(temp)))
+        assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+        assert not list(temp.iterdir()), f"left: {[str(p) for p in temp.rglob('*')]}"
+        pymp = Path((Path(folder) / "pymp.txt").read_text())
+        assert pymp.parent.parent == temp and pymp.parent.name.startswith("nbk-"), pymp

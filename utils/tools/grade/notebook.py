@@ -63,7 +63,8 @@ def run_one(notebook, result_path, executed_path, cell_timeout, max_output, sock
         def get_kernel_spec(self, kernel_name):
             return KernelSpec(resource_dir=ipykernel.kernelspec.RESOURCES, **ipykernel.kernelspec.get_kernel_dict())
 
-    with ipc_kernel_manager_class(AsyncKernelManager, parent=sockets) as manager_class:
+    # the kernel keeps the submission's private TMPDIR (removed by the grader), where a test looks for it
+    with ipc_kernel_manager_class(AsyncKernelManager, parent=sockets, temp_folder=False) as manager_class:
 
         class Client(NotebookClient):
             """nbclient with a cap on what one cell may print."""
