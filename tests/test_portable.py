@@ -34,8 +34,29 @@ def executed_notebook(path, source):
 
 def test_the_paths_it_asks_for_are_the_paths_torch_takes():
     line = portable.check_path("scalar")
-    assert "ATen DEFAULT" in line and "SSE4.2" in line and "SSE4.1" in line, line
+    assert "ATen DEFAULT" in line and ("SSE4.2" in line or "CNR COMPATIBLE" in line) and "SSE4.1" in line, line
+    assert "unconfirmed" not in line, line
     assert portable.main(["sse9"]) == 2
+
+
+@pytest.mark.parametrize("name, got, verdict", [
+    # an Intel CPU: MKL's banner names what it enabled
+    ("avx2", ("AVX2", "Intel(R) Advanced Vector Extensions 2 (Intel(R) AVX2)", "OFF", "Intel AVX2"), "confirmed"),
+    ("avx2", ("AVX2", "Intel(R) Streaming SIMD Extensions 4.2 (Intel(R) SSE4.2)", "OFF", "Intel AVX2"), "raises"),
+    # a CPU MKL names no instruction set for (AMD's): the scalar path rests on MKL_CBWR, the others say unconfirmed
+    ("scalar", ("DEFAULT", portable.GENERIC_MKL, "COMPATIBLE", "Intel SSE4.1"), "confirmed"),
+    ("scalar", ("DEFAULT", portable.GENERIC_MKL, "AUTO", "Intel SSE4.1"), "raises"),
+    ("avx2", ("AVX2", portable.GENERIC_MKL, "OFF", "Intel AVX2"), "unconfirmed"),
+    ("avx2", ("DEFAULT", portable.GENERIC_MKL, "OFF", "Intel AVX2"), "raises"),       # ATen ignored it
+    ("avx512", ("AVX512", portable.GENERIC_MKL, "OFF", "Intel AVX2"), "raises"),     # oneDNN ignored it
+])
+def test_a_path_is_confirmed_only_by_what_each_library_reports(name, got, verdict):
+    if verdict == "raises":
+        with pytest.raises(RuntimeError, match="ignores a setting"):
+            portable.check_path(name, got=got)
+    else:
+        line = portable.check_path(name, got=got)
+        assert ("unconfirmed" in line) == (verdict == "unconfirmed"), line
 
 
 def test_a_cpu_dependent_output_fails_on_the_scalar_path_and_rounded_digits_pass(tmp_path):

@@ -9,11 +9,16 @@ output with the stored one. Three libraries choose their instruction sets separa
 
     ATen (torch's own kernels)    ATEN_CPU_CAPABILITY      default (scalar) | avx2 | avx512
     MKL (matrix multiplies)       MKL_ENABLE_INSTRUCTIONS  SSE4_2           | AVX2 | AVX512
+                                  MKL_CBWR                 COMPATIBLE       |  -   |  -
     oneDNN (convolutions, ...)    ONEDNN_MAX_CPU_ISA       SSE41            | AVX2 | AVX512_CORE
 
 A value a library does not know is ignored with a warning, so before running anything this checks, in a fresh
-interpreter, that torch reports the requested ATen capability and that oneDNN reports the requested ISA, and prints
-both; a path the CPU does not have (avx2 on an older CPU) is skipped with one line. ARM's NEON path cannot be chosen
+interpreter, that each library reports the path it was asked for, and prints what they report; a path the CPU does
+not have (avx2 on an older CPU) is skipped with one line. MKL names its instruction set in its verbose banner only on
+Intel CPUs; on others (AMD's, for one) the banner says "Intel(R) Architecture processors" whatever was asked. The
+scalar path therefore also sets MKL_CBWR=COMPATIBLE (MKL's reproducible SSE2 branch, honoured on every vendor and
+reported on each call as CNR:COMPATIBLE), so it is confirmed everywhere; on such a CPU the avx2 and avx512 paths
+confirm ATen and oneDNN and print MKL's part as unconfirmed. ARM's NEON path cannot be chosen
 on an x86 CPU: the argument for it is in the README (the rules that keep outputs portable are the same).
 Exit status: 0 when every requested path passed or was skipped, 1 when one failed, 2 for an unknown path name.
 """
@@ -24,12 +29,14 @@ import sys
 import time
 
 PATHS = {
-    # name: (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA,
+    # name: (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA, MKL_CBWR or None,
     #        what ATen, MKL's verbose banner and oneDNN's verbose ISA line then report)
-    "scalar": ("default", "SSE4_2", "SSE41", ("DEFAULT", "(Intel(R) SSE4.2)", "Intel SSE4.1")),
-    "avx2": ("avx2", "AVX2", "AVX2", ("AVX2", "(Intel(R) AVX2)", "Intel AVX2")),
-    "avx512": ("avx512", "AVX512", "AVX512_CORE", ("AVX512", "(Intel(R) AVX-512)", "Intel AVX-512")),
+    "scalar": ("default", "SSE4_2", "SSE41", "COMPATIBLE", ("DEFAULT", "(Intel(R) SSE4.2)", "Intel SSE4.1")),
+    "avx2": ("avx2", "AVX2", "AVX2", None, ("AVX2", "(Intel(R) AVX2)", "Intel AVX2")),
+    "avx512": ("avx512", "AVX512", "AVX512_CORE", None, ("AVX512", "(Intel(R) AVX-512)", "Intel AVX-512")),
 }
+
+GENERIC_MKL = "Intel(R) Architecture processors"   # MKL's banner on a CPU it names no instruction set for
 
 NOTEBOOKS = ["lessons", "labs"]
 
@@ -46,9 +53,12 @@ torch.nn.Conv2d(16, 16, 3)(torch.ones(4, 16, 32, 32))
 
 def environment(name: str) -> dict:
     """The process environment for code path `name` (the three libraries' variables set)."""
-    aten, mkl, onednn, _ = PATHS[name]
+    aten, mkl, onednn, cbwr, _ = PATHS[name]
     env = dict(os.environ)
     env.update(ATEN_CPU_CAPABILITY=aten, MKL_ENABLE_INSTRUCTIONS=mkl, ONEDNN_MAX_CPU_ISA=onednn)
+    env.pop("MKL_CBWR", None)
+    if cbwr:
+        env["MKL_CBWR"] = cbwr
     return env
 
 
@@ -64,7 +74,8 @@ def cpu_has(name: str) -> bool:
 
 
 def probe(name: str) -> tuple:
-    """(ATen's capability, MKL's banner, oneDNN's ISA line) as a fresh interpreter on path `name` reports them."""
+    """(ATen's capability, MKL's banner, MKL's CNR mode, oneDNN's ISA line) as a fresh interpreter on path `name`
+    reports them."""
     env = environment(name)
     env.update(MKL_VERBOSE="1", ONEDNN_VERBOSE="1")
     done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
@@ -72,20 +83,30 @@ def probe(name: str) -> tuple:
         raise RuntimeError(f"the probe failed on path {name}:\n{done.stderr[-2000:]}")
     lines = done.stdout.splitlines()
     aten = next((line.split()[1] for line in lines if line.startswith("aten ")), "?")
-    mkl = next((line.split(" for Intel(R) 64 architecture ", 1)[-1].split(" enabled processors")[0]
+    mkl = next((line.split(" for Intel(R) 64 architecture ", 1)[-1].split(" enabled processors")[0].split(",")[0]
                 for line in lines if line.startswith("MKL_VERBOSE") and "architecture" in line), "?")
+    cnr = next((line.split(" CNR:", 1)[1].split()[0] for line in lines
+                if line.startswith("MKL_VERBOSE") and " CNR:" in line), "?")
     isa = next((line.split("isa:", 1)[1].split(",")[0].strip() for line in lines if ",isa:" in line), "?")
-    return aten, mkl, isa
+    return aten, mkl, cnr, isa
 
 
-def check_path(name: str) -> str:
-    """Raise unless ATen, MKL and oneDNN all report path `name`; return the line that says what they report."""
-    want = PATHS[name][3]
-    got = probe(name)
-    if not all(w in g if i else w == g for i, (w, g) in enumerate(zip(want, got))):
-        raise RuntimeError(f"asked for the {name} path but ATen reports {got[0]}, MKL '{got[1]}', oneDNN "
-                           f"'{got[2]}' (wanted {' / '.join(want)}): this torch or CPU ignores a setting")
-    return f"ATen {got[0]}, MKL {got[1]}, oneDNN {got[2]}"
+def check_path(name: str, got=None) -> str:
+    """Raise unless ATen, MKL and oneDNN all report path `name` (MKL by its banner, or by its CNR mode where the path
+    sets one); return the line that says what they report. `got`: probe(name)'s answer, when already known."""
+    aten, mkl, onednn = PATHS[name][4]
+    cbwr = PATHS[name][3]
+    got_aten, got_mkl, got_cnr, got_onednn = probe(name) if got is None else got
+    mkl_line = f"MKL {got_mkl}" + (f" (CNR {got_cnr})" if got_cnr != "?" else "")
+    mkl_took = mkl in got_mkl or (cbwr is not None and got_cnr == cbwr)
+    mkl_silent = GENERIC_MKL in got_mkl and cbwr is None   # this MKL names no instruction set on this CPU
+    if got_aten != aten or onednn not in got_onednn or not (mkl_took or mkl_silent):
+        raise RuntimeError(f"asked for the {name} path but ATen reports {got_aten}, {mkl_line}, oneDNN "
+                           f"'{got_onednn}' (wanted {aten} / {mkl}" + (f" or CNR {cbwr}" if cbwr else "")
+                           + f" / {onednn}): this torch or CPU ignores a setting")
+    if not mkl_took:
+        mkl_line += " (unconfirmed: MKL names no instruction set on this CPU)"
+    return f"ATen {got_aten}, {mkl_line}, oneDNN {got_onednn}"
 
 
 def run_path(name: str, pytest_args: list, notebooks=NOTEBOOKS, **run_options) -> int:
