@@ -619,9 +619,15 @@ def test_under_torchrun_launch_runs_in_process(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
     torchrun = os.path.join(os.path.dirname(PYTHON), "torchrun")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=120)
+    # torchrun puts its log folder (torchelastic_*) in the temp dir: a short per-test one, removed here, not /tmp
+    tmp = tempfile.mkdtemp(prefix="trun-")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TMPDIR=tmp)
+    try:
+        out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert any(name.startswith("torchelastic_") for name in os.listdir(tmp)), "torchrun's log folder went elsewhere"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert out.returncode == 0, out.stderr
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("RANK"))
     assert len(lines) == 2
