@@ -161,6 +161,7 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     last = time.perf_counter()
     # (wall, process CPU, machine busy) when the timed steps begin (time_allreduce only)
     window = (last, time.process_time(), machine_busy_seconds()) if time_allreduce and warmup_steps == 0 else None
+    window_end = None  # (process CPU, machine busy) when the last step ends (time_allreduce only)
     while step < steps:
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
         for x, y in loader:
@@ -180,6 +181,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
             step += 1
             if time_allreduce and step == warmup_steps:
                 window = (now, time.process_time(), machine_busy_seconds())
+            if time_allreduce and step == steps:  # the timed steps end here: read the CPU clocks with the wall one
+                window_end = (time.process_time(), machine_busy_seconds())
             if log_every and rank == 0 and step % log_every == 0:
                 print(f"step {step:4d}  loss {loss.item():.4f}")
             if step == steps:
@@ -194,7 +197,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     rate = throughput(step_seconds, tokens_per_step, warmup_steps) if steps > warmup_steps else None
     timings = {}
     if time_allreduce and steps > warmup_steps:
-        cpu_end, busy_end = time.process_time(), machine_busy_seconds()
+        cpu_end, busy_end = window_end  # read at the last step's end, as `last` is: not after the final
+        # all-reduce and the checksum below, which would stretch the CPU windows past the wall window
         timed = list(zip(step_seconds, allreduce_seconds))[warmup_steps:]
         median_ms = lambda values: 1e3 * statistics.median(values)
         timings = {"step_ms": median_ms([s for s, _ in timed]), "allreduce_ms": median_ms([a for _, a in timed]),

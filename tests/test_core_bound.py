@@ -1,0 +1,60 @@
+"""utils.core_bound: the core-sharing bound's assumptions, read from CPU times, and the account of a shortfall."""
+import pytest
+
+from utils.core_bound import CoreBound, signed_ms, span
+
+
+def rounds(one_core=1.0, others=0.0, machine=True, count=4):
+    """Synthetic kept rounds: 1, 2 and 4 ranks, 30 timed steps each, on 2 cores."""
+    out = {}
+    for rep in range(count):
+        r = {}
+        for n, step, busy in ((1, 0.010, one_core), (2, 0.012, 0.85), (4, 0.030, 0.42)):
+            wall = 30 * step * (1 + 0.01 * rep)
+            cpu = n * busy * wall
+            r[n] = {"timed_wall_s": wall, "ranks_cpu_s": cpu, "timed_allreduce_s": 0.2 * wall,
+                    "machine_busy_s": cpu + others * wall if machine else None, "step_ms": 1e3 * wall / 30}
+        out[rep] = r
+    return out
+
+
+def test_bound_is_min_n_cores_over_n():
+    b = CoreBound(rounds(), cores=2, ticks=100, timed_steps=30)
+    assert [b.bound(n) for n in (1, 2, 4)] == [1.0, 1.0, 0.5]
+
+
+def test_assumptions_hold_on_a_quiet_machine():
+    b = CoreBound(rounds(), cores=2, ticks=100, timed_steps=30)
+    assert b.one_core == pytest.approx(1.0) and b.inflation == pytest.approx(0.0, abs=1e-12)
+    assert b.why_not(2) is None and b.why_not(4) is None
+    assert b.others_text(2).endswith("none measurable")
+    # a tick per core per run over the runs' wall time: 2 cores x 4 runs / 100 ticks/s / wall
+    wall = sum(r[2]["timed_wall_s"] for r in b.rounds.values())
+    assert b.tick_margin(2) == pytest.approx(2 * 4 / 100 / wall)
+
+
+@pytest.mark.parametrize("kwargs, args, words", [
+    ({"one_core": 0.8}, {}, "not a whole one"),
+    ({"one_core": 1.2}, {}, "more than the one core"),
+    ({"others": 0.3}, {}, "not clearly under 0.25"),
+    ({"machine": False}, {}, "no /proc/stat"),
+    ({}, {"quota": 1.5}, "CPU quota of 1.5 cores"),
+])
+def test_each_failed_assumption_leaves_the_bound_unresolved(kwargs, args, words):
+    b = CoreBound(rounds(**kwargs), cores=2, ticks=100, timed_steps=30, **args)
+    assert words in b.why_not(4)
+
+
+def test_the_account_adds_up_and_is_exact_for_constructed_times():
+    b = CoreBound(rounds(), cores=2, ticks=100, timed_steps=30)
+    a, per = b.accounts(4)
+    assert len(per) == 4 and CoreBound.parts_add_up([a] + per)
+    # 4 ranks at 0.42 of a core each keep 1.68 of the 2 cores busy: 0.32 unused
+    assert a["unused"] == pytest.approx(0.32)
+    broken = dict(a, extra_cpu=a["extra_cpu"] + 1.0)
+    assert not CoreBound.parts_add_up([broken])
+
+
+def test_signed_figures_never_print_minus_zero():
+    assert signed_ms(-0.01) == "+0.0" and signed_ms(1.26) == "+1.3"
+    assert span([{"x": -0.04}, {"x": 2.0}], "x") == "+0.0 to +2.0 over the rounds"

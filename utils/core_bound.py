@@ -1,0 +1,139 @@
+"""The core-sharing bound of a scaling measurement on CPUs, and the account of a shortfall against it.
+
+N ranks with one compute thread each, on c cores, can reach at most min(N, c) / N scaling efficiency: beyond c
+they share the cores. That bound assumes three things: every core counted is usable (no cgroup CPU quota caps
+them), the one-rank run had one whole core, and the ranks had the cores to themselves. `CoreBound` reads, from
+the CPU times a measurement recorded, whether those held, and splits a step's excess over the bound into parts.
+
+`rounds` is {round: {world size: result}}, a result being rank 0's summary from lessons/scripts/train_ddp.py's
+`train(time_allreduce=True)` plus two sums over the ranks: "ranks_cpu_s" (their CPU time over the timed steps)
+and "cores_used". Keys read: timed_wall_s, ranks_cpu_s, machine_busy_s (None off Linux), timed_allreduce_s,
+step_ms.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from .timing import Spread
+
+
+class CoreBound:
+    def __init__(self, rounds: Mapping[int, Mapping[int, dict]], cores: int, ticks: int, timed_steps: int,
+                 quota: float | None = None, others_cut: float = 0.25):
+        """`ticks`: /proc/stat's clock ticks a second (SC_CLK_TCK); `timed_steps`: timed steps per run;
+        `quota`: the cores a cgroup CPU quota allows, None if none; `others_cut`: the most of a core other
+        processes may take for a verdict against the bound."""
+        self.rounds, self.cores, self.ticks, self.timed_steps = rounds, cores, ticks, timed_steps
+        self.quota, self.others_cut = quota, others_cut
+        self.world_sizes = sorted(next(iter(rounds.values())))
+        self.use = {n: self._core_use(n) for n in self.world_sizes}
+        # the 'others' reading's margin per world size: the ticks' rounding at worst, or the size of the lowest
+        # reading if one came out further below 0 (which no real load gives: it shows the error directly)
+        lowest = [-others for _, others in self.use.values() if others is not None]
+        self.others_margin = {n: max([self.tick_margin(n)] + lowest) for n in self.world_sizes}
+        self.one_core = self.use[1][0]  # the cores the one-rank runs had: below 1, the efficiencies are inflated
+        # a one-rank run with less than a whole core is slowed, which raises every efficiency by up to this
+        self.inflation = max(1 / self.one_core - 1, 0)
+
+    def bound(self, n: int) -> float:
+        """The efficiency n single-threaded ranks can reach on these cores: min(n, cores) / n."""
+        return min(n, self.cores) / n
+
+    def _core_use(self, n):
+        """(cores the n ranks kept busy, cores other processes used or None off Linux), over all kept rounds'
+        timed steps together: CPU seconds over rank 0's wall seconds."""
+        wall = sum(r[n]["timed_wall_s"] for r in self.rounds.values())
+        ours = sum(r[n]["ranks_cpu_s"] for r in self.rounds.values()) / wall
+        if any(r[n]["machine_busy_s"] is None for r in self.rounds.values()):
+            return ours, None
+        return ours, sum(r[n]["machine_busy_s"] for r in self.rounds.values()) / wall - ours
+
+    def tick_margin(self, n: int) -> float:
+        """The most /proc/stat's rounding to whole ticks can move the n-rank 'others' reading, in cores: a tick
+        per core per run, over the runs' wall time (rank 0's)."""
+        wall = sum(r[n]["timed_wall_s"] for r in self.rounds.values())
+        return self.cores * len(self.rounds) / self.ticks / wall
+
+    def others_text(self, n: int) -> str:
+        """The others' reading with its margin: within its margin of 0 it shows no measurable load."""
+        others = self.use[n][1]
+        if others is None:
+            return "unknown (no /proc/stat)"
+        return f"{others:+.2f} ± {self.others_margin[n]:.2f} core" + (
+            ": none measurable" if others <= self.others_margin[n] else "")
+
+    def why_not(self, n: int) -> str | None:
+        """None when the bound's three assumptions held for n ranks (as far as the CPU times show), else why not."""
+        others = self.use[n][1]
+        if self.quota is not None and self.quota < self.cores:
+            return (f"a CPU quota of {self.quota:g} cores caps the {self.cores} CPUs this process may run on, so the "
+                    "bound taken from the CPU count does not apply")
+        if self.one_core < 0.9:
+            return f"the one-rank runs had {self.one_core:.2f} of a core (CPU time over wall time), not a whole one"
+        if self.one_core > 1.1:
+            return (f"the one-rank runs kept {self.one_core:.2f} cores busy (CPU time over wall time), more than the "
+                    "one core per rank that the bound assumes")
+        if others is None:
+            return "no /proc/stat on this system, so what other processes took is unknown"
+        if others + self.others_margin[n] > self.others_cut:  # decide only outside the reading's margin
+            return (f"other processes used {others:.2f} of the {self.cores} cores during the {n}-rank runs, not "
+                    f"clearly under {self.others_cut} (the reading's margin: {self.others_margin[n]:.2f} core)")
+        return None
+
+    def conditions(self, n: int) -> str:
+        """What the CPU times say about the assumptions that held, for a verdict line."""
+        return (f"the one-rank runs had {self.one_core:.2f} of a core"
+                + (f" (which raises efficiencies by up to {self.inflation:.0%})" if round(self.inflation, 2) > 0 else "")
+                + f", other processes {self.others_text(n)} (under {self.others_cut} even with the margin)")
+
+    # --- the account of a shortfall -------------------------------------------------------------------------
+
+    def step_bound_ms(self, r: Mapping[int, dict], n: int) -> float:
+        """The core bound for a whole step in round r: one rank's step of the same round, stretched by n / min(n, c)."""
+        return r[1]["step_ms"] * n / min(n, self.cores)
+
+    def accounting(self, n: int, kept) -> dict:
+        """Means over the timed steps of the rounds `kept`, in ms: the n-rank step, its core bound, and the parts of
+        the excess.
+
+        The n ranks have c = min(n, cores) cores to share; over rank 0's wall time they kept `ours` of them busy. So
+        c x step = n x (CPU per rank-step) + (c - ours) x step, and step - bound splits exactly into three parts:
+        extra CPU work per rank-step over one rank's, the c - ours cores the ranks left unused (blocked, or pushed
+        off by other processes), and the one-rank run's CPU time beyond its wall time (about 0 when it had a whole
+        core; positive when its threads together used more CPU time than wall time, negative when it spent time
+        off its CPU: then the bound, taken from its wall time, is too high). Means, not medians: the identity needs
+        sums."""
+        steps, c = self.timed_steps * len(kept), min(n, self.cores)
+        mean_ms = lambda m, key: 1e3 * sum(r[m][key] for r in kept) / steps
+        step, step1 = mean_ms(n, "timed_wall_s"), mean_ms(1, "timed_wall_s")
+        cpu, cpu1 = mean_ms(n, "ranks_cpu_s") / n, mean_ms(1, "ranks_cpu_s")
+        ours = n * cpu / step  # the cores the ranks kept busy over these rounds
+        return {"step": step, "bound": step1 * n / c, "cpu": cpu, "cpu1": cpu1, "unused": c - ours,
+                "allreduce": mean_ms(n, "timed_allreduce_s"), "extra_cpu": n * (cpu - cpu1) / c,
+                "off_cpu": (c - ours) * step / c, "one_rank_cpu_beyond_wall": n * (cpu1 - step1) / c}
+
+    def accounts(self, n: int) -> tuple[dict, list[dict]]:
+        """The account over all kept rounds together, and the same account round by round (its spread)."""
+        return self.accounting(n, list(self.rounds.values())), [self.accounting(n, [r]) for r in self.rounds.values()]
+
+    @staticmethod
+    def parts_add_up(accounts) -> bool:
+        """The identity of the account: step - bound = the three parts, in every account given."""
+        return all(abs(p["step"] - p["bound"] - p["extra_cpu"] - p["off_cpu"] - p["one_rank_cpu_beyond_wall"])
+                   < 1e-6 * p["step"] for p in accounts)
+
+    def per_round(self, value) -> Spread:
+        """The spread over the kept rounds of value(round), a round being {world size: rank 0's result}."""
+        return Spread.of([value(r) for r in self.rounds.values()])
+
+
+def signed_ms(value: float) -> str:
+    """A signed figure to 0.1 ms, never "-0.0"."""
+    return f"{round(value, 1) + 0.0:+.1f}"
+
+
+def span(per: list[dict], key) -> str:
+    """'low to high over the rounds' of per-round accounts' `key` (a name, or a function of an account)."""
+    get = key if callable(key) else (lambda p: p[key])
+    values = [get(p) for p in per]
+    return f"{signed_ms(min(values))} to {signed_ms(max(values))} over the rounds"
