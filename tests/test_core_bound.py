@@ -1,7 +1,7 @@
 """utils.core_bound: the core-sharing bound's assumptions, read from CPU times, and the account of a shortfall."""
 import pytest
 
-from utils.core_bound import CoreBound, signed_ms, span
+from utils.core_bound import CoreBound, part, signed_ms, span, spans_zero
 
 
 def rounds(one_core=1.0, others=0.0, machine=True, count=4):
@@ -58,3 +58,27 @@ def test_the_account_adds_up_and_is_exact_for_constructed_times():
 def test_signed_figures_never_print_minus_zero():
     assert signed_ms(-0.01) == "+0.0" and signed_ms(1.26) == "+1.3"
     assert span([{"x": -0.04}, {"x": 2.0}], "x") == "+0.0 to +2.0 over the rounds"
+
+
+def test_a_part_whose_range_spans_0_is_not_measurable():
+    clear = [{"x": 1.4}, {"x": 2.5}]
+    across = [{"x": -0.4}, {"x": 4.4}]
+    assert not spans_zero(clear, "x") and spans_zero(across, "x") and spans_zero([{"x": 0.0}, {"x": 1.0}], "x")
+    assert spans_zero([{"x": -0.2}, {"x": -0.01}], lambda p: p["x"] + 0.1)
+    assert part(1.8, clear, "x", "cores left unused") == " +1.8 ms cores left unused (+1.4 to +2.5 over the rounds)"
+    assert part(1.8, across, "x", "extra CPU work") == (
+        "extra CPU work: not measurable here (range spans 0: -0.4 to +4.4 over the rounds; mean +1.8 ms)")
+
+
+def test_the_account_marks_a_part_that_some_round_lacks():
+    b = CoreBound(rounds(), cores=2, ticks=100, timed_steps=30)
+    a, per = b.accounts(2)
+    # constructed times: the one-rank run's CPU time equals its wall time in every round, so that part spans 0
+    assert "not measurable here" in part(a["one_rank_cpu_beyond_wall"], per, "one_rank_cpu_beyond_wall", "x")
+    assert not spans_zero(per, "off_cpu") and "not measurable" not in part(a["off_cpu"], per, "off_cpu", "x")
+
+
+def test_the_conditions_name_the_runs_each_figure_belongs_to():
+    b = CoreBound(rounds(), cores=2, ticks=100, timed_steps=30)
+    text = b.conditions(4)
+    assert text.startswith("one-rank runs: 1.00 of a core") and "other processes during the 4-rank runs: " in text

@@ -82,9 +82,10 @@ class CoreBound:
 
     def conditions(self, n: int) -> str:
         """What the CPU times say about the assumptions that held, for a verdict line."""
-        return (f"the one-rank runs had {self.one_core:.2f} of a core"
+        return (f"one-rank runs: {self.one_core:.2f} of a core"
                 + (f" (which raises efficiencies by up to {self.inflation:.0%})" if round(self.inflation, 2) > 0 else "")
-                + f", other processes {self.others_text(n)} (under {self.others_cut} even with the margin)")
+                + f"; other processes during the {n}-rank runs: {self.others_text(n)} (under {self.others_cut} even "
+                "with the margin)")
 
     # --- the account of a shortfall -------------------------------------------------------------------------
 
@@ -132,8 +133,27 @@ def signed_ms(value: float) -> str:
     return f"{round(value, 1) + 0.0:+.1f}"
 
 
+def _values(per: list[dict], key) -> list[float]:
+    get = key if callable(key) else (lambda p: p[key])
+    return [get(p) for p in per]
+
+
 def span(per: list[dict], key) -> str:
     """'low to high over the rounds' of per-round accounts' `key` (a name, or a function of an account)."""
-    get = key if callable(key) else (lambda p: p[key])
-    values = [get(p) for p in per]
+    values = _values(per, key)
     return f"{signed_ms(min(values))} to {signed_ms(max(values))} over the rounds"
+
+
+def spans_zero(per: list[dict], key) -> bool:
+    """Whether the per-round values of `key` reach 0 or lie on both sides of it: then some round had none of that
+    part (or its opposite), and its mean is no measured difference."""
+    values = _values(per, key)
+    return min(values) <= 0 <= max(values)
+
+
+def part(mean: float, per: list[dict], key, label: str) -> str:
+    """One part of the account for a line: "+1.8 ms <label> (range over the rounds)" when that range is clear of
+    0, else "<label>: not measurable here (range spans 0: ...; mean ...)"."""
+    if spans_zero(per, key):
+        return f"{label}: not measurable here (range spans 0: {span(per, key)}; mean {signed_ms(mean)} ms)"
+    return f"{signed_ms(mean):>5} ms {label} ({span(per, key)})"
