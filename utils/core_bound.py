@@ -42,17 +42,20 @@ class CoreBound:
     def _core_use(self, n):
         """(cores the n ranks kept busy, cores other processes used or None off Linux), over all kept rounds'
         timed steps together: CPU seconds over rank 0's wall seconds."""
-        wall = sum(r[n]["timed_wall_s"] for r in self.rounds.values())
+        wall = self._wall(n)
         ours = sum(r[n]["ranks_cpu_s"] for r in self.rounds.values()) / wall
         if any(r[n]["machine_busy_s"] is None for r in self.rounds.values()):
             return ours, None
         return ours, sum(r[n]["machine_busy_s"] for r in self.rounds.values()) / wall - ours
 
+    def _wall(self, n: int) -> float:
+        """Rank 0's wall seconds over the n-rank runs' timed steps, all kept rounds together."""
+        return sum(r[n]["timed_wall_s"] for r in self.rounds.values())
+
     def tick_margin(self, n: int) -> float:
         """The most /proc/stat's rounding to whole ticks can move the n-rank 'others' reading, in cores: a tick
         per core per run, over the runs' wall time (rank 0's)."""
-        wall = sum(r[n]["timed_wall_s"] for r in self.rounds.values())
-        return self.cores * len(self.rounds) / self.ticks / wall
+        return self.cores * len(self.rounds) / self.ticks / self._wall(n)
 
     def others_text(self, n: int) -> str:
         """The others' reading with its margin: within its margin of 0 it shows no measurable load."""
@@ -91,7 +94,7 @@ class CoreBound:
 
     def step_bound_ms(self, r: Mapping[int, dict], n: int) -> float:
         """The core bound for a whole step in round r: one rank's step of the same round, stretched by n / min(n, c)."""
-        return r[1]["step_ms"] * n / min(n, self.cores)
+        return r[1]["step_ms"] / self.bound(n)
 
     def accounting(self, n: int, kept) -> dict:
         """Means over the timed steps of the rounds `kept`, in ms: the n-rank step, its core bound, and the parts of
@@ -109,7 +112,7 @@ class CoreBound:
         step, step1 = mean_ms(n, "timed_wall_s"), mean_ms(1, "timed_wall_s")
         cpu, cpu1 = mean_ms(n, "ranks_cpu_s") / n, mean_ms(1, "ranks_cpu_s")
         ours = n * cpu / step  # the cores the ranks kept busy over these rounds
-        return {"step": step, "bound": step1 * n / c, "cpu": cpu, "cpu1": cpu1, "unused": c - ours,
+        return {"step": step, "bound": step1 / self.bound(n), "cpu": cpu, "cpu1": cpu1, "unused": c - ours,
                 "allreduce": mean_ms(n, "timed_allreduce_s"), "extra_cpu": n * (cpu - cpu1) / c,
                 "off_cpu": (c - ours) * step / c, "one_rank_cpu_beyond_wall": n * (cpu1 - step1) / c}
 
