@@ -1,7 +1,7 @@
 """utils.core_bound: the core-sharing bound's assumptions, read from CPU times, and the account of a shortfall."""
 import pytest
 
-from utils.core_bound import CoreBound, part, signed_ms, span, spans_zero
+from utils.core_bound import CoreBound, cpu_topology, part, signed_ms, span, spans_zero
 
 
 def rounds(one_core=1.0, others=0.0, machine=True, count=4):
@@ -39,6 +39,8 @@ def test_assumptions_hold_on_a_quiet_machine():
     ({"others": 0.3}, {}, "not clearly under 0.25"),
     ({"machine": False}, {}, "no /proc/stat"),
     ({}, {"quota": 1.5}, "CPU quota of 1.5 cores"),
+    ({}, {"physical": 1}, "SMT (hyperthreading) siblings on 1 physical core"),
+    ({}, {"physical": None}, "separate cores or SMT siblings sharing one is unknown"),
 ])
 def test_each_failed_assumption_leaves_the_bound_unresolved(kwargs, args, words):
     b = CoreBound(rounds(**kwargs), cores=2, ticks=100, timed_steps=30, **args)
@@ -68,6 +70,8 @@ def test_a_part_whose_range_spans_0_is_not_measurable():
     assert part(1.8, clear, "x", "cores left unused") == " +1.8 ms cores left unused (+1.4 to +2.5 over the rounds)"
     assert part(1.8, across, "x", "extra CPU work") == (
         "extra CPU work: not measurable here (range spans 0: -0.4 to +4.4 over the rounds; mean +1.8 ms)")
+    # a part that rounds to 0.0 ms in every round says so, rather than "+0.0 to +0.0"
+    assert part(0.001, [{"x": -0.01}, {"x": 0.02}], "x", "y") == "y: not measurable here (under 0.05 ms either way in every round)"
 
 
 def test_the_account_marks_a_part_that_some_round_lacks():
@@ -82,3 +86,37 @@ def test_the_conditions_name_the_runs_each_figure_belongs_to():
     b = CoreBound(rounds(), cores=2, ticks=100, timed_steps=30)
     text = b.conditions(4)
     assert text.startswith("one-rank runs: 1.00 of a core") and "other processes during the 4-rank runs: " in text
+
+
+def fake_sysfs(tmp_path, siblings):
+    """A /sys/devices/system/cpu with one thread_siblings_list per CPU."""
+    for cpu, text in siblings.items():
+        folder = tmp_path / "sys" / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "thread_siblings_list").write_text(text + "\n")
+    return str(tmp_path / "sys")
+
+
+def test_cpu_topology_counts_smt_siblings_as_one_core(tmp_path):
+    none = str(tmp_path / "no-cpuinfo")
+    # 1 thread per core (this course's CI machine): 2 CPUs, 2 cores
+    assert cpu_topology({0, 1}, fake_sysfs(tmp_path / "a", {0: "0", 1: "1"}), none) == (2, 2)
+    # 2 threads per core (a typical 2-vCPU cloud VM): 2 CPUs, 1 core
+    assert cpu_topology({0, 1}, fake_sysfs(tmp_path / "b", {0: "0-1", 1: "0-1"}), none) == (2, 1)
+    # 4 CPUs on 2 cores, siblings listed apart ("0,2"); only the affinity set counts
+    sys_c = fake_sysfs(tmp_path / "c", {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"})
+    assert cpu_topology({0, 1, 2, 3}, sys_c, none) == (4, 2) and cpu_topology({0, 2}, sys_c, none) == (2, 1)
+
+
+def test_cpu_topology_falls_back_to_cpuinfo_then_unknown(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("".join(f"processor\t: {p}\nphysical id\t: 0\ncore id\t\t: {p % 2}\n\n" for p in range(4)))
+    missing = str(tmp_path / "no-sys")
+    assert cpu_topology({0, 1, 2, 3}, missing, str(cpuinfo)) == (4, 2)
+    assert cpu_topology({0, 1}, missing, str(cpuinfo)) == (2, 2)
+    assert cpu_topology({0, 1}, missing, str(tmp_path / "none")) == (2, None)
+
+
+def test_cpu_topology_of_this_machine_is_consistent():
+    cpus, cores = cpu_topology()
+    assert cpus >= 1 and (cores is None or 1 <= cores <= cpus)

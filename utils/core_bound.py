@@ -1,9 +1,10 @@
 """The core-sharing bound of a scaling measurement on CPUs, and the account of a shortfall against it.
 
 N ranks with one compute thread each, on c cores, can reach at most min(N, c) / N scaling efficiency: beyond c
-they share the cores. That bound assumes three things: every core counted is usable (no cgroup CPU quota caps
-them), the one-rank run had one whole core, and the ranks had the cores to themselves. `CoreBound` reads, from
-the CPU times a measurement recorded, whether those held, and splits a step's excess over the bound into parts.
+they share the cores. That bound assumes four things: every CPU counted is a core of its own (no SMT/hyperthreading
+siblings sharing one core: `cpu_topology` reads that), every core counted is usable (no cgroup CPU quota caps them),
+the one-rank run had one whole core, and the ranks had the cores to themselves. `CoreBound` reads, from the CPU
+times a measurement recorded, whether those held, and splits a step's excess over the bound into parts.
 
 `rounds` is {round: {world size: result}}, a result being rank 0's summary from lessons/scripts/train_ddp.py's
 `train(time_allreduce=True)` plus two sums over the ranks: "ranks_cpu_s" (their CPU time over the timed steps)
@@ -12,19 +13,75 @@ step_ms.
 """
 from __future__ import annotations
 
-from typing import Mapping
+import os
+import pathlib
+from typing import Iterable, Mapping
 
 from .timing import Spread
 
 
+def _cpu_list(text: str) -> frozenset[int]:
+    """The CPUs of a Linux CPU list such as "0-3,8,10-11"."""
+    cpus = set()
+    for item in text.strip().split(","):
+        if item:
+            low, _, high = item.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    return frozenset(cpus)
+
+
+def _cores_from_sysfs(cpus: Iterable[int], root: pathlib.Path) -> int | None:
+    """Distinct physical cores among `cpus`: CPUs listed as each other's SMT siblings share one; None if unreadable."""
+    try:
+        return len({_cpu_list((root / f"cpu{c}" / "topology" / "thread_siblings_list").read_text()) for c in cpus})
+    except (OSError, ValueError):
+        return None
+
+
+def _cores_from_cpuinfo(cpus: Iterable[int], path: pathlib.Path) -> int | None:
+    """The same from /proc/cpuinfo's (physical id, core id) per processor (x86 Linux); None if it lacks them."""
+    try:
+        blocks = path.read_text().strip().split("\n\n")
+    except OSError:
+        return None
+    core_of = {}
+    for block in blocks:
+        fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
+        if "processor" in fields and "core id" in fields:
+            core_of[int(fields["processor"])] = (fields.get("physical id", "0"), fields["core id"])
+    cpus = list(cpus)
+    if not all(c in core_of for c in cpus):
+        return None
+    return len({core_of[c] for c in cpus})
+
+
+def cpu_topology(cpus: Iterable[int] | None = None, sys_cpu: str = "/sys/devices/system/cpu",
+                 cpuinfo: str = "/proc/cpuinfo") -> tuple[int, int | None]:
+    """(logical CPUs this process may run on, the physical cores they sit on, or None where the system does not say).
+
+    `os.sched_getaffinity` counts logical CPUs: two SMT (hyperthreading) siblings are two CPUs but one core, and
+    two threads on them do not run twice as fast as one. The cores are read from Linux's sysfs topology (each CPU's
+    thread_siblings_list), else from /proc/cpuinfo's core ids; elsewhere (macOS, Windows) they are unknown."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = sorted(cpus)
+    cores = _cores_from_sysfs(cpus, pathlib.Path(sys_cpu))
+    if cores is None:
+        cores = _cores_from_cpuinfo(cpus, pathlib.Path(cpuinfo))
+    return len(cpus), cores
+
+
 class CoreBound:
     def __init__(self, rounds: Mapping[int, Mapping[int, dict]], cores: int, ticks: int, timed_steps: int,
-                 quota: float | None = None, others_cut: float = 0.25):
-        """`ticks`: /proc/stat's clock ticks a second (SC_CLK_TCK); `timed_steps`: timed steps per run;
-        `quota`: the cores a cgroup CPU quota allows, None if none; `others_cut`: the most of a core other
-        processes may take for a verdict against the bound."""
+                 quota: float | None = None, others_cut: float = 0.25, physical: int | None = -1):
+        """`cores`: the logical CPUs the ranks may run on; `physical`: the physical cores those sit on (from
+        `cpu_topology`; None where unknown; the default -1 means "take `cores` as physical", for tests);
+        `ticks`: /proc/stat's clock ticks a second (SC_CLK_TCK); `timed_steps`: timed steps per run; `quota`: the
+        cores a cgroup CPU quota allows, None if none; `others_cut`: the most of a core other processes may take
+        for a verdict against the bound."""
         self.rounds, self.cores, self.ticks, self.timed_steps = rounds, cores, ticks, timed_steps
         self.quota, self.others_cut = quota, others_cut
+        self.physical = cores if physical == -1 else physical
         self.world_sizes = sorted(next(iter(rounds.values())))
         self.use = {n: self._core_use(n) for n in self.world_sizes}
         # the 'others' reading's margin per world size: the ticks' rounding at worst, or the size of the lowest
@@ -36,7 +93,8 @@ class CoreBound:
         self.inflation = max(1 / self.one_core - 1, 0)
 
     def bound(self, n: int) -> float:
-        """The efficiency n single-threaded ranks can reach on these cores: min(n, cores) / n."""
+        """The efficiency n single-threaded ranks can reach on these CPUs: min(n, cores) / n (a bound that
+        `why_not` judges against only when every CPU counted is a core of its own)."""
         return min(n, self.cores) / n
 
     def _core_use(self, n):
@@ -66,8 +124,15 @@ class CoreBound:
             ": none measurable" if others <= self.others_margin[n] else "")
 
     def why_not(self, n: int) -> str | None:
-        """None when the bound's three assumptions held for n ranks (as far as the CPU times show), else why not."""
+        """None when the bound's four assumptions held for n ranks (as far as the CPU times show), else why not."""
         others = self.use[n][1]
+        if self.physical is None:
+            return (f"whether the {self.cores} CPUs counted are separate cores or SMT siblings sharing one is unknown "
+                    "on this system (no CPU topology to read)")
+        if self.physical < self.cores:
+            return (f"the {self.cores} CPUs counted are SMT (hyperthreading) siblings on {self.physical} physical "
+                    f"core{'s' if self.physical != 1 else ''}: siblings share a core, so the bound taken from the CPU "
+                    "count is too high and the shortfall would show up as extra CPU work")
         if self.quota is not None and self.quota < self.cores:
             return (f"a CPU quota of {self.quota:g} cores caps the {self.cores} CPUs this process may run on, so the "
                     "bound taken from the CPU count does not apply")
@@ -88,7 +153,8 @@ class CoreBound:
         return (f"one-rank runs: {self.one_core:.2f} of a core"
                 + (f" (which raises efficiencies by up to {self.inflation:.0%})" if round(self.inflation, 2) > 0 else "")
                 + f"; other processes during the {n}-rank runs: {self.others_text(n)} (under {self.others_cut} even "
-                "with the margin)")
+                f"with the margin); the {self.cores} CPUs counted are {self.physical} separate physical cores (no SMT "
+                "siblings)")
 
     # --- the account of a shortfall -------------------------------------------------------------------------
 
@@ -156,7 +222,10 @@ def spans_zero(per: list[dict], key) -> bool:
 
 def part(mean: float, per: list[dict], key, label: str) -> str:
     """One part of the account for a line: "+1.8 ms <label> (range over the rounds)" when that range is clear of
-    0, else "<label>: not measurable here (range spans 0: ...; mean ...)"."""
+    0, else "<label>: not measurable here (range spans 0: ...; mean ...)", or, when every round's value rounds
+    to 0.0 ms, "<label>: not measurable here (under 0.05 ms either way in every round)"."""
+    if spans_zero(per, key) and max(abs(v) for v in _values(per, key)) < 0.05:
+        return f"{label}: not measurable here (under 0.05 ms either way in every round)"
     if spans_zero(per, key):
         return f"{label}: not measurable here (range spans 0: {span(per, key)}; mean {signed_ms(mean)} ms)"
     return f"{signed_ms(mean):>5} ms {label} ({span(per, key)})"
