@@ -11,6 +11,7 @@ The notebooks import what they need from here:
     utils.checks                        state a claim: print ✓ or raise
     utils.compat                        torch API that changed across supported releases (one bridge)
     utils.timing                        interleaved timings, their spread, honest verdicts
+    utils.pairing                       balanced A/B and A/A visits; a paired, stratified sign-flip test
     utils.ring_model                    the α–β–γ model of a (pipelined) ring all-reduce
 """
 from .launching import (LaunchError, LaunchTimeout, backend_for, default_threads, describe, device,

@@ -1,0 +1,58 @@
+"""utils.pairing: a schedule that balances place and predecessor, and the stratified sign-flip test."""
+import random
+
+import pytest
+
+from utils.pairing import flip_test, is_balanced, order_balance, paired, side, sweep_schedule
+from utils.timing import Spread
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+
+
+def test_schedule_balances_place_and_predecessor_per_size_and_kind():
+    schedule = sweep_schedule(SIZES, 3, rounds=24, rounds_large=6, aa_below=16 << 20, seed=1)
+    assert [kept for kept, *_ in schedule[:len(SIZES)]] == [False] * len(SIZES)      # the warm-up round first
+    balance = order_balance(schedule, 3)
+    assert set(balance) == {(i, k) for i in range(3) for k in ("A/B", "A/A")} | {(3, "A/B"), (4, "A/B")}
+    assert all(is_balanced(counts, 3) for counts in balance.values())
+    kept = [(i, kind) for k, i, kind, _ in schedule if k]
+    assert kept.count((0, "A/B")) == kept.count((0, "A/A")) == 12 and kept.count((4, "A/B")) == 6
+    assert schedule == sweep_schedule(SIZES, 3, rounds=24, rounds_large=6, aa_below=16 << 20, seed=1)   # seeded
+
+
+def test_schedule_refuses_counts_that_cannot_balance():
+    with pytest.raises(ValueError, match="multiple"):
+        sweep_schedule(SIZES, 3, rounds=20, rounds_large=5, aa_below=16 << 20)
+
+
+def test_is_balanced_can_fail():
+    rotated = [(True, 0, "A/B", [(x + r) % 3 for x in range(3)]) for r in range(3)]   # places even, pairs not
+    assert not is_balanced(order_balance(rotated, 3)[0, "A/B"], 3)
+
+
+def test_flip_test_p_is_about_uniform_on_symmetric_noise():
+    rng = random.Random(0)
+    ps = [flip_test([[rng.gauss(0, 1) for _ in range(12)] for _ in range(3)], draws=199, seed=s)[1]
+          for s in range(200)]
+    assert 0.0 <= sum(p < 0.05 for p in ps) / len(ps) <= 0.12          # nominal 5 %
+    assert 0.35 <= sum(p < 0.5 for p in ps) / len(ps) <= 0.65          # nominal 50 %
+    assert 0.4 <= sum(ps) / len(ps) <= 0.6                             # mean of a uniform p
+
+
+def test_flip_test_finds_a_shift_and_its_sign():
+    rng = random.Random(1)
+    shifted = [[rng.gauss(0.8, 1) for _ in range(24)] for _ in range(4)]
+    statistic, p = flip_test(shifted)
+    assert statistic > 0 and p < 0.01
+    statistic, p = flip_test([[-x for x in d] for d in shifted])
+    assert statistic < 0 and p < 0.01
+    assert flip_test([[1.0, 2.0]], draws=99)[1] >= 1 / 100               # p never below 1/(1 + draws)
+
+
+def test_paired_and_side():
+    s = paired([1.0, 2.0, 3.0, 4.0], [2.0, 3.5, 4.0, 6.0])
+    assert s.median == pytest.approx(1.25) and side(s) == "above"
+    assert side(Spread.of([-1.0, -0.5, 0.5, 1.0])) == "spans"
+    assert side(Spread(1.0, 1.001, 1.2, 1.0, 1.3, 5), at=1, digits=2) == "spans"          # prints as 1.00
+    with pytest.raises(ValueError):
+        paired([1.0], [1.0, 2.0])
