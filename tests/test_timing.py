@@ -62,3 +62,30 @@ def test_throughput_is_tokens_per_step_over_the_median_step_after_warm_up():
     assert t.low <= t.q1 <= t.median <= t.q3 <= t.high
     with pytest.raises(ValueError, match="warm-up"):
         throughput(steps[:5], 1000, warmup=5)
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 8, 12])
+def test_williams_design_balances_position_and_the_variant_before(count):
+    names = [f"v{i}" for i in range(count)]
+    cycle = count if count % 2 == 0 else 2 * count                  # rounds in one full design
+    rounds = list(rotated_rounds(names, repeats=2 * cycle, warmup=1, design="williams"))
+    assert [rep for rep, _ in rounds[:count]] == [-1] * count
+    kept = [name for rep, name in rounds if rep >= 0]
+    orders = [kept[i:i + count] for i in range(0, len(kept), count)]
+    assert all(sorted(order) == sorted(names) for order in orders)  # each round runs every variant once
+    positions = Counter((i, name) for order in orders for i, name in enumerate(order))
+    assert set(positions.values()) == {2 * cycle // count}          # every position equally often
+    before = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert len(before) == count * (count - 1)                       # every ordered pair occurs …
+    assert set(before.values()) == {2 * cycle // count}             # … equally often
+
+
+def test_cyclic_rotation_keeps_neighbours_together():
+    # the default: position is balanced but the variant before is not (why the Williams design exists)
+    names = ["a", "b", "c", "d"]
+    kept = [name for rep, name in rotated_rounds(names, repeats=4, warmup=0)]
+    orders = [kept[i:i + 4] for i in range(0, 16, 4)]
+    before = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert before[("a", "b")] == 3 and before[("b", "a")] == 0
+    with pytest.raises(ValueError):
+        list(rotated_rounds(names, repeats=1, design="latin"))

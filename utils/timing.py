@@ -27,19 +27,44 @@ from . import warmup as _warmup
 _warmup.wait()  # e.g. lesson 01 times its baseline right after the setup cell started the warm-up
 
 
-def rotated_rounds(names: Sequence[str], repeats: int, warmup: int = 1) -> Iterator[tuple[int, str]]:
-    """Yield (repetition, name): each round runs every variant once, each round starting one variant later.
+def rotated_rounds(names: Sequence[str], repeats: int, warmup: int = 1,
+                   design: str = "cyclic") -> Iterator[tuple[int, str]]:
+    """Yield (repetition, name): each round runs every variant once, in an order that changes from round to round.
 
     The first `warmup` rounds come with negative repetition numbers: run them, do not keep them.
-    Over len(names) rounds every variant runs in every position equally often, so an order effect
-    spreads over all variants instead of favouring one.
+    design="cyclic" (the default): each round starts one variant later. Over len(names) rounds every variant
+    runs in every position equally often, so an order effect spreads over all variants instead of favouring
+    one; but neighbours stay neighbours, so a variant follows the same variant in almost every round.
+    design="williams": a Williams design (a Latin square balanced for the step before). Over len(names) rounds
+    (2·len(names) when the count is odd) every variant still runs in every position equally often, and within
+    a round every variant runs right after every other variant equally often (once, or twice for an odd count),
+    so an effect that one variant leaves on the next is spread too. The round boundary (the last variant of one
+    round before the first of the next) is not balanced.
     """
     names = list(names)
+    if design == "cyclic":
+        orders = [[(i + shift) % len(names) for i in range(len(names))] for shift in range(len(names))]
+    elif design == "williams":
+        orders = _williams(len(names))
+    else:
+        raise ValueError(f"design must be 'cyclic' or 'williams', not {design!r}")
     _warmup.wait()
     for round_ in range(-warmup, repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            yield round_, name
+        for index in orders[round_ % len(orders)]:
+            yield round_, names[index]
+
+
+def _williams(n: int) -> list[list[int]]:
+    """The rows of a Williams design for n variants: n rows for even n, 2n (the rows and their reverses) for odd n."""
+    first, low, high = [0], 1, n - 1                 # 0, 1, n−1, 2, n−2, …: every difference mod n once
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(v + shift) % n for v in first] for shift in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
 class Spread(NamedTuple):
