@@ -89,3 +89,28 @@ def test_cyclic_rotation_keeps_neighbours_together():
     assert before[("a", "b")] == 3 and before[("b", "a")] == 0
     with pytest.raises(ValueError):
         list(rotated_rounds(names, repeats=1, design="latin"))
+
+
+def test_median_ci_is_seeded_narrows_with_samples_and_covers_the_median():
+    from utils.timing import median_ci
+    few = [0.01 * i for i in range(-5, 6)]                          # median 0
+    many = few * 9
+    lo, hi = median_ci(few)
+    assert lo <= 0 <= hi and median_ci(few) == (lo, hi)             # the same samples, the same interval
+    lo9, hi9 = median_ci(many)
+    assert lo <= lo9 <= 0 <= hi9 <= hi and hi9 - lo9 < hi - lo      # more samples, a narrower interval
+    assert median_ci([3.0]) == (3.0, 3.0)
+    with pytest.raises(ValueError):
+        median_ci([])
+
+
+def test_within_tolerance_needs_clearance_both_ways():
+    from utils.timing import within_tolerance
+    assert within_tolerance((-0.05, 0.07), 0.10, 0.02) == "holds"
+    assert within_tolerance((-0.05, 0.09), 0.10, 0.02) == "not resolved"     # inside, but within the margin
+    assert within_tolerance((-0.20, -0.125), 0.10, 0.02) == "fails"
+    assert within_tolerance((-0.20, -0.11), 0.10, 0.02) == "not resolved"    # outside by less than the margin
+    assert within_tolerance((0.13, 0.30), 0.10, 0.02) == "fails"
+    assert within_tolerance((-0.15, 0.05), 0.10, 0.02) == "not resolved"     # straddles an edge
+    with pytest.raises(ValueError):
+        within_tolerance((0.1, 0.0), 0.10, 0.02)

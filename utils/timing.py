@@ -143,3 +143,38 @@ def throughput(step_seconds: Sequence[float], tokens_per_step: float, warmup: in
     t = Spread.of(kept)
     return Spread(tokens_per_step / t.median, tokens_per_step / t.q3, tokens_per_step / t.q1,
                   tokens_per_step / t.high, tokens_per_step / t.low, t.count)
+
+
+def median_ci(samples: Sequence[float], level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple:
+    """(low, high): a percentile-bootstrap confidence interval of the median of `samples` at `level`.
+
+    The uncertainty of a typical value (a model's bias), not the scatter of single samples: resample the
+    samples with replacement `resamples` times, take each resample's median, and return the two quantiles
+    that leave (1 − level)/2 on each side. Seeded, so the same samples always give the same interval.
+    """
+    import random
+    xs = list(samples)
+    if not xs:
+        raise ValueError("median_ci needs at least one sample")
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie between 0 and 1, got {level}")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    cut = (1 - level) / 2
+    return medians[int(cut * (resamples - 1))], medians[int(round((1 - cut) * (resamples - 1)))]
+
+
+def within_tolerance(ci: tuple, tolerance: float, margin: float) -> str:
+    """'holds', 'fails' or 'not resolved': an interval (low, high) judged against ±`tolerance`, with a clearance.
+
+    holds: the whole interval lies inside ±(tolerance − margin); fails: it lies wholly beyond +(tolerance +
+    margin) or below −(tolerance + margin); otherwise it comes within `margin` of an edge or straddles one.
+    """
+    low, high = ci
+    if low > high or tolerance <= 0 or not 0 <= margin < tolerance:
+        raise ValueError(f"need low <= high and 0 <= margin < tolerance, got {ci}, {tolerance}, {margin}")
+    if -(tolerance - margin) <= low and high <= tolerance - margin:
+        return "holds"
+    if high < -(tolerance + margin) or low > tolerance + margin:
+        return "fails"
+    return "not resolved"
