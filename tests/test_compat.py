@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nbclient import NotebookClient
 
 from utils import compat
+from utils.tools.kernels import ipc_kernel_manager_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,10 @@ def test_requires_runs_a_cell_skips_it_in_one_line_or_fails_it():
              "%%requires nonsense\n1"]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    NotebookClient(nb, allow_errors=True, timeout=120).execute()
+    # the tools' kernel manager: its kernel's TMPDIR is a private folder removed afterwards (a kernel is stopped by
+    # killing its process group, forkserver included, which left multiprocessing's pymp-* folder in /tmp)
+    with ipc_kernel_manager_class() as manager_class:
+        NotebookClient(nb, allow_errors=True, timeout=120, kernel_manager_class=manager_class).execute()
     outputs = [[o.get("text") or o.get("data", {}).get("text/plain") or o.get("ename") for o in c.outputs]
                for c in nb.cells]
     assert outputs[2] == ["ran\n", "42"]

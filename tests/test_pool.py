@@ -1,5 +1,6 @@
 """%dist and utils.pool: ranks that live across cells, and what happens when a cell goes wrong."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -248,7 +249,9 @@ def children(pid):
 
 def test_in_a_real_kernel_the_warm_up_runs_once_and_a_restart_leaves_no_rank():
     from jupyter_client.manager import start_new_kernel
-    manager, client = start_new_kernel(kernel_name="python3", cwd=REPO)
+    from utils.tools.kernels import socket_folder
+    temp = socket_folder()   # the kernel's TMPDIR: a killed kernel's forkserver leaves its pymp-* folder there, not in /tmp
+    manager, client = start_new_kernel(kernel_name="python3", cwd=REPO, env=dict(os.environ, TMPDIR=str(temp)))
     try:
         def run(code):
             out = []
@@ -270,3 +273,4 @@ def test_in_a_real_kernel_the_warm_up_runs_once_and_a_restart_leaves_no_rank():
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
+        shutil.rmtree(temp, ignore_errors=True)
