@@ -81,6 +81,11 @@ class JupyterLab:
         env = {k: v for k, v in os.environ.items() if k != "COURSE_OUTPUT"}  # the course decides live/grouped
         env.update(JUPYTER_RUNTIME_DIR=dirs["runtime"], JUPYTER_CONFIG_DIR=dirs["config"],
                    JUPYTER_DATA_DIR=dirs["data"], PYTHONUNBUFFERED="1")
+        # the kernels' temporary files in a private folder, removed by stop(): a kernel stopped by killing its
+        # process group takes its forkserver with it, and multiprocessing's pymp-* folder stayed in /tmp
+        from utils.tools.kernels import socket_folder
+        self.temp = socket_folder()
+        env["TMPDIR"] = str(self.temp)
         self.log = open(os.path.join(scratch, "jupyterlab.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
@@ -137,6 +142,7 @@ class JupyterLab:
         self.proc.wait(10)
         psutil.wait_procs(list(self.processes.values()), timeout=5)
         self.log.close()
+        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 class Notebook:
