@@ -212,8 +212,6 @@ utils.launch(train, 2, world_size=4)
 UNSYNCHRONISED = {
     "lessons/05_stragglers.ipynb": "paced_steps, train_run (trace.span), jitter_steps and allreduce_only time "
                                    "dist.all_reduce: on NCCL the host never waits, so no rank waits for the straggler",
-    "lessons/08_checkpoints_and_failures.ipynb": "stops_mid_run: on NCCL all_reduce returns before the stopped peer "
-                                                 "is missed; the wait it times never happens on the host",
 }
 
 
