@@ -151,6 +151,10 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
     # before every forward (its default), so the gradient all-reduce is the step's one collective
     ddp_model = utils.compat.ddp(model, forward_sync_buffers=False,
                                  device_ids=[device.index] if device.type == "cuda" else None)
+    # From here on each rank draws its own random numbers (lesson 02, 2d): with dropout > 0 the ranks' masks must
+    # be independent, as a single process's would be. Reseeded only after the model is built, so the initial
+    # weights stay the same on every rank. (This model's dropout is 0: nothing below draws from it yet.)
+    torch.manual_seed(seed + 1 + rank)
     allreduce_seconds = []  # per step: seconds spent in the gradient all-reduce (time_allreduce only)
     if time_allreduce:
         ddp_model.register_comm_hook(allreduce_seconds, timed_allreduce_hook)
