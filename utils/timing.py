@@ -19,6 +19,7 @@ Importing this module, and each rotated_rounds, first waits for the forkserver w
 """
 from __future__ import annotations
 
+import random
 import statistics
 from typing import Iterator, NamedTuple, Sequence
 
@@ -152,7 +153,6 @@ def median_ci(samples: Sequence[float], level: float = 0.9, resamples: int = 200
     samples with replacement `resamples` times, take each resample's median, and return the two quantiles
     that leave (1 − level)/2 on each side. Seeded, so the same samples always give the same interval.
     """
-    import random
     xs = list(samples)
     if not xs:
         raise ValueError("median_ci needs at least one sample")
