@@ -171,8 +171,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             allreduce_seconds.append(0.0)  # the hook adds this step's all-reduce time
-            loss = ddp_model(x, y)
             optimizer.zero_grad(set_to_none=True)
+            loss = ddp_model(x, y)
             loss.backward()  # DDP all-reduces (averages) the gradients during backward
             torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip)  # same norm on every rank
             optimizer.step()
