@@ -1,7 +1,7 @@
 """utils.core_bound: the core-sharing bound's assumptions, read from CPU times, and the account of a shortfall."""
 import pytest
 
-from utils.core_bound import CoreBound, cpu_topology, part, signed_ms, span, spans_zero
+from utils.core_bound import CoreBound, cpu_topology, measurable, part, signed_ms, span, spans_zero
 
 
 def rounds(one_core=1.0, others=0.0, machine=True, count=4):
@@ -72,6 +72,11 @@ def test_a_part_whose_range_spans_0_is_not_measurable():
         "extra CPU work: not measurable here (range spans 0: -0.4 to +4.4 over the rounds; mean +1.8 ms)")
     # a part that rounds to 0.0 ms in every round says so, rather than "+0.0 to +0.0"
     assert part(0.001, [{"x": -0.01}, {"x": 0.02}], "x", "y") == "y: not measurable here (under 0.05 ms either way in every round)"
+    # ... also when every round's value lies on one side of 0: a consistent +0.0 is no measured part either
+    tiny = [{"x": 0.01}, {"x": 0.03}]
+    assert not spans_zero(tiny, "x") and not measurable(tiny, "x")
+    assert part(0.02, tiny, "x", "y") == "y: not measurable here (under 0.05 ms either way in every round)"
+    assert measurable(clear, "x") and not measurable(across, "x") and measurable([{"x": 0.01}, {"x": 0.06}], "x")
 
 
 def test_the_account_marks_a_part_that_some_round_lacks():

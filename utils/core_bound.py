@@ -220,11 +220,18 @@ def spans_zero(per: list[dict], key) -> bool:
     return min(values) <= 0 <= max(values)
 
 
+def measurable(per: list[dict], key) -> bool:
+    """Whether a part was measured in every round: its per-round values lie on one side of 0 (see `spans_zero`) and
+    at least one is 0.05 ms or more in size, so that it shows at the 0.1 ms the lines print (a part under that in
+    every round, whatever its sign, prints as +0.0 and is no measured cause)."""
+    return not spans_zero(per, key) and max(abs(v) for v in _values(per, key)) >= 0.05
+
+
 def part(mean: float, per: list[dict], key, label: str) -> str:
-    """One part of the account for a line: "+1.8 ms <label> (range over the rounds)" when that range is clear of
-    0, else "<label>: not measurable here (range spans 0: ...; mean ...)", or, when every round's value rounds
-    to 0.0 ms, "<label>: not measurable here (under 0.05 ms either way in every round)"."""
-    if spans_zero(per, key) and max(abs(v) for v in _values(per, key)) < 0.05:
+    """One part of the account for a line: "+1.8 ms <label> (range over the rounds)" when it is `measurable`,
+    else "<label>: not measurable here (under 0.05 ms either way in every round)" when every round's value rounds
+    to 0.0 ms, whatever its sign, or "<label>: not measurable here (range spans 0: ...; mean ...)"."""
+    if max(abs(v) for v in _values(per, key)) < 0.05:
         return f"{label}: not measurable here (under 0.05 ms either way in every round)"
     if spans_zero(per, key):
         return f"{label}: not measurable here (range spans 0: {span(per, key)}; mean {signed_ms(mean)} ms)"
