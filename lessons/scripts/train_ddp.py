@@ -153,7 +153,8 @@ def train(steps: int = 200, batch_size: int = 8, seq_len: int = 32, lr: float = 
                                  device_ids=[device.index] if device.type == "cuda" else None)
     # From here on each rank draws its own random numbers (lesson 02, 2d): with dropout > 0 the ranks' masks must
     # be independent, as a single process's would be. Reseeded only after the model is built, so the initial
-    # weights stay the same on every rank. (This model's dropout is 0: nothing below draws from it yet.)
+    # weights stay the same on every rank. (This model's dropout is 0: below, only each `for ... in loader` draws
+    # from it, a base seed for DataLoader workers, unused with 0 workers; the sampler shuffles with its own seed.)
     torch.manual_seed(seed + 1 + rank)
     allreduce_seconds = []  # per step: seconds spent in the gradient all-reduce (time_allreduce only)
     if time_allreduce:
