@@ -56,3 +56,12 @@ def test_paired_and_side():
     assert side(Spread(1.0, 1.001, 1.2, 1.0, 1.3, 5), at=1, digits=2) == "spans"          # prints as 1.00
     with pytest.raises(ValueError):
         paired([1.0], [1.0, 2.0])
+
+
+def test_sign_test_counts_sides_and_gives_the_exact_two_sided_p():
+    from utils.pairing import sign_test
+    assert sign_test([1.0, 2.0, 3.0, 4.0, 5.0]) == (5, 0, 0.0625)
+    up, down, p = sign_test([1.0] * 11 + [-200.0])          # one huge round weighs like any other
+    assert (up, down) == (11, 1) and abs(p - 2 * 13 / 4096) < 1e-12
+    assert sign_test([0.0, 1.0, -1.0]) == (1, 1, 1.0)          # zeros dropped
+    assert sign_test([]) == (0, 0, 1.0)
