@@ -7,6 +7,7 @@ script, benchmark or utils module goes around the bridge.
 import json
 import re
 import socket
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -100,7 +101,32 @@ def course_sources():
 AROUND_THE_BRIDGE = re.compile(r"DistributedDataParallel\([^)]*forward_sync_buffers|broadcast_buffers\s*="
                                r"|dist\.all_gather_single\b"
                                r"|dist\.reduce_scatter_single\b|master_listen_fd\s*=|use_libuv"
-                               r"|dist\.destroy_process_group\(\)\s*\n\s*sys\.stdout")
+                               r"|dist\.destroy_process_group\(\)\s*\n\s*sys\.stdout"
+                               r"|allow_tf32\s*=|fp32_precision\s*=")
+
+
+def test_full_float32_turns_tf32_off_through_one_api_without_a_warning():
+    backends = compat.torch.backends
+    if compat._HAS_FP32_PRECISION:
+        settings = [backends.cuda.matmul, backends.cudnn.conv] + ([backends.cudnn.rnn] if hasattr(backends.cudnn, "rnn")
+                                                                   else [])
+        read = lambda: [s.fp32_precision for s in settings]
+        def restore(values):
+            for s, value in zip(settings, values):
+                s.fp32_precision = value
+    else:
+        read = lambda: [backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32]
+        def restore(values):
+            backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = values
+    before = read()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compat.full_float32()
+            after = read()
+    finally:
+        restore(before)
+    assert after == (["ieee"] * len(after) if compat._HAS_FP32_PRECISION else [False, False])
 
 
 def test_nothing_goes_around_the_bridge():

@@ -15,6 +15,8 @@ cell names an argument that some supported torch lacks, and none prints a deprec
     compat.HAS_ASYNC_SAVE                     whether torch.distributed.checkpoint has async_save
     compat.set_group_timeout(seconds)         a formed group's collective timeout (a private torch call)
     compat.nccl_device_options(device)        init_process_group's device_id= for NCCL, where torch takes it
+    compat.full_float32()                     TF32 off for CUDA matmuls and cuDNN: fp32_precision = "ieee" where
+                                              torch has it (2.7 on; 2.9 warns on allow_tf32), allow_tf32 before
 
 A feature some supported torch lacks has a name in FEATURES; a cell that shows it starts with
 `%%requires NAME` (registered when a notebook imports utils): on a torch without it the cell prints one line
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["all_gather_single", "reduce_scatter_single", "ddp", "tcp_store", "end_group_before_exit", "set_group_timeout",
-           "nccl_device_options",
+           "nccl_device_options", "full_float32",
            "CAN_SET_GROUP_TIMEOUT", "GLOO_DESTROY_CAN_HANG", "FEATURES", "requires",
            "TORCH_VERSION", "HAS_ASYNC_SAVE"]
 
@@ -148,6 +150,25 @@ def nccl_device_options(device) -> dict:
     """Keyword arguments for `dist.init_process_group` that bind a NCCL group to `device` (this rank's GPU):
     `{"device_id": device}`, or `{}` on a torch whose init_process_group does not take it."""
     return {"device_id": device} if _INIT_TAKES_DEVICE_ID else {}
+
+
+# torch 2.7 added per-backend fp32_precision settings for TF32, and 2.9 warned on every use of the old allow_tf32 flags
+# ("Please use the new API settings to control TF32 behavior", pytorch/pytorch#158209; 2.13 and 2.14 do not warn). A
+# process that mixes the two APIs gets torch's "mix of the legacy and new APIs" complaints: each torch gets one only.
+_HAS_FP32_PRECISION = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+def full_float32() -> None:
+    """Keep float32 as float32 in this process's CUDA matmuls and cuDNN convolutions (and RNNs): no TF32, whose
+    10-bit mantissa Ampere and later GPUs may otherwise round their inputs to. Harmless without a GPU."""
+    if _HAS_FP32_PRECISION:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        if hasattr(getattr(torch.backends.cudnn, "rnn", None), "fp32_precision"):
+            torch.backends.cudnn.rnn.fp32_precision = "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 # name: (whether this torch has it, what is missing where it does not), or a function returning that pair

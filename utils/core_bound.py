@@ -153,8 +153,8 @@ class CoreBound:
         return (f"one-rank runs: {self.one_core:.2f} of a core"
                 + (f" (which raises efficiencies by up to {self.inflation:.0%})" if round(self.inflation, 2) > 0 else "")
                 + f"; other processes during the {n}-rank runs: {self.others_text(n)} (under {self.others_cut} even "
-                f"with the margin); the {self.cores} CPUs counted are {self.physical} separate physical cores (no SMT "
-                "siblings)")
+                f"with the margin); the {self.cores} CPUs counted are {self.physical} separate cores as the OS reports "
+                "them (no SMT siblings listed)")
 
     # --- the account of a shortfall -------------------------------------------------------------------------
 
