@@ -65,3 +65,20 @@ def test_sign_test_counts_sides_and_gives_the_exact_two_sided_p():
     assert (up, down) == (11, 1) and abs(p - 2 * 13 / 4096) < 1e-12
     assert sign_test([0.0, 1.0, -1.0]) == (1, 1, 1.0)          # zeros dropped
     assert sign_test([]) == (0, 0, 1.0)
+
+
+def test_separation_p_is_the_exact_rank_sum_tail_of_complete_separation():
+    import itertools
+    import math
+    from utils.pairing import separation_p
+    assert separation_p([5.0, 6, 7, 8, 9], [0.0, 1, 2, 3, 4]) == pytest.approx(2 / 252)
+    assert separation_p([0.0, 1, 2, 3, 4], [5.0, 6, 7, 8, 9]) == pytest.approx(2 / 252)   # either side on top
+    assert separation_p([1.0, 5, 6], [2.0, 3]) is None                                     # overlapping
+    assert separation_p([3.0, 4], [1.0, 3]) is None                                        # touching: a tie
+    assert separation_p([2.0], [1.0]) == 1.0 and separation_p([], [1.0]) is None
+    # against brute force: every split of 4 + 3 ranks, counting those with U as extreme as complete separation's
+    m, n = 4, 3
+    splits = list(itertools.combinations(range(m + n), m))
+    u = lambda top: sum(i > j for i in top for j in set(range(m + n)) - set(top))   # pairs a above b
+    extreme = sum(u(top) in (0, m * n) for top in splits) / len(splits)
+    assert separation_p([10.0, 11, 12, 13], [0.0, 1, 2]) == pytest.approx(extreme) == pytest.approx(2 / math.comb(7, 4))

@@ -110,6 +110,20 @@ def sign_test(diffs: Sequence[float]) -> tuple[int, int, float]:
     return up, down, p
 
 
+def separation_p(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Exact two-sided rank-sum (Mann–Whitney) p of two samples that do not overlap at all (every value of one above
+    every value of the other), or None where they overlap or touch (this helper covers complete separation only).
+
+    Were the two versions equally fast, with all m + n values exchangeable, each of the C(m + n, m) ways to split the
+    pooled ranks would be equally likely; one puts all of `a` on top and one all of `b`, so p = 2 / C(m + n, m): 0.0079
+    at 5 + 5, where a paired sign test cannot go below 0.0625. It uses the values, not the visits: unlike the sign
+    test it ignores the pairing, and rests on that exchangeability instead."""
+    m, n = len(a), len(b)
+    if not m or not n or not (min(a) > max(b) or min(b) > max(a)):
+        return None
+    return min(1.0, 2 / math.comb(m + n, m))
+
+
 def paired(a: Sequence[float], b: Sequence[float]) -> Spread:
     """Spread of b − a taken visit by visit (a[j] and b[j] timed in the same visit)."""
     if len(a) != len(b):
