@@ -193,7 +193,8 @@ def test_a_killed_worker_on_one_node_restarts_the_two_node_job(can_run, tmp_path
             for name in runs}
     assert codes == {"plain": [0, 0], "killed": [0, 0]}, logs
     events = logs["killed"]["events.log"]
-    assert "rank1 killed step=7" in events and "rank0 lost-peer" in events, events
+    # rank 0 either finds its peer gone in the all-reduce or is stopped by its agent first (a busy machine's race)
+    assert "rank1 killed step=7" in events and ("rank0 lost-peer" in events or "rank0 stopped" in events), events
     assert events.count("resumed step=4") == 2, events
     assert events.count("rank0 launched") == 2 and events.count("rank1 launched") == 2, events
     digests = {name: logs[name]["agents.out"].strip().splitlines()[-1] for name in runs}

@@ -63,7 +63,10 @@ def test_killed_rank_restarts_and_ends_bitwise_like_an_uninterrupted_run(tmp_pat
     assert re.findall(r"closing signal (SIG[A-Z]+)", err) == ["SIGTERM"], "torchrun stops the survivor once"
     log = events(tmp_path / "killed")
     names = [(r, e) for _, r, e, _ in log]
-    assert (1, "killed") in names and (0, "lost-peer") in names and (0, "stopped") in names
+    assert (1, "killed") in names and (0, "stopped") in names
+    # rank 0 logs its failed all-reduce only if it reaches it before torchrun's SIGTERM (on a busy machine it may not)
+    if (0, "lost-peer") in names:
+        assert names.index((0, "lost-peer")) < names.index((0, "stopped"))
     attempts = {rank: sorted(int(f["attempt"]) for _, r, e, f in log if e == "launched" and r == rank)
                 for rank in (0, 1)}
     assert attempts == {0: [0, 1], 1: [0, 1]}
