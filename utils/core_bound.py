@@ -55,6 +55,26 @@ def _cores_from_cpuinfo(cpus: Iterable[int], path: pathlib.Path) -> int | None:
     return len({core_of[c] for c in cpus})
 
 
+def machine_busy_seconds(cpus=None, stat: str = "/proc/stat") -> float | None:
+    """CPU seconds that all processes of this machine have spent busy since boot on the CPUs `cpus` (default: the
+    ones this process may run on, its affinity set), from the per-CPU lines of Linux's /proc/stat (counted in clock
+    ticks per core, SC_CLK_TCK of them a second); None where that file does not exist."""
+    try:
+        with open(stat) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    if cpus is None:
+        cpus = os.sched_getaffinity(0)
+    ticks = 0
+    for line in lines:
+        name, *values = line.split()
+        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:   # cpu0, cpu1, ... (not the total)
+            user, nice, system, idle, iowait, irq, softirq, steal = ([int(v) for v in values] + [0] * 8)[:8]
+            ticks += user + nice + system + irq + softirq + steal                   # guest time is in user
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_topology(cpus: Iterable[int] | None = None, sys_cpu: str = "/sys/devices/system/cpu",
                  cpuinfo: str = "/proc/cpuinfo") -> tuple[int, int | None]:
     """(logical CPUs this process may run on, the physical cores they sit on, or None where the system does not say).

@@ -31,6 +31,7 @@ _CHECKOUT = Path(__file__).resolve().parents[2]
 if (_CHECKOUT / "utils" / "__init__.py").is_file():  # in a checkout of the course: its own utils, installed or not
     sys.path.insert(0, str(_CHECKOUT))
 import utils
+from utils.core_bound import machine_busy_seconds
 from utils.data import MarkovSource
 from utils.model import GPT, GPTConfig
 from utils.timing import throughput
@@ -47,24 +48,6 @@ def parameter_checksum(model: torch.nn.Module) -> tuple[float, str]:
     return total, digest.hexdigest()[:16]
 
 
-def machine_busy_seconds(cpus=None, stat: str = "/proc/stat") -> float | None:
-    """CPU seconds that all processes of this machine have spent busy since boot on the CPUs `cpus` (default: the
-    ones this process may run on, its affinity set), from the per-CPU lines of Linux's /proc/stat (counted in clock
-    ticks per core, SC_CLK_TCK of them a second); None where that file does not exist."""
-    try:
-        with open(stat) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    if cpus is None:
-        cpus = os.sched_getaffinity(0)
-    ticks = 0
-    for line in lines:
-        name, *values = line.split()
-        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:   # cpu0, cpu1, ... (not the total)
-            user, nice, system, idle, iowait, irq, softirq, steal = ([int(v) for v in values] + [0] * 8)[:8]
-            ticks += user + nice + system + irq + softirq + steal                   # guest time is in user
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_quota_cores(root: str = "/") -> float | None:
