@@ -32,6 +32,14 @@ def test_formula_check_prints_no_tick_and_raises(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_instrument_check_prints_no_tick_and_raises(capsys):
+    assert checks.instrument_check(True, "the fast ranks wait inside the all-reduce") is None
+    assert capsys.readouterr().out == "instrument check: the fast ranks wait inside the all-reduce\n"   # no ✓
+    with pytest.raises(AssertionError, match="✗ instrument check: rank 3 waits least: rank 0 did"):
+        checks.instrument_check(False, "rank 3 waits least", "rank 0 did")
+    assert capsys.readouterr().out == ""
+
+
 def test_check_close_returns_the_raw_difference_and_raises_beyond_tolerance(capsys):
     a = {"w": torch.tensor([1.0, 2.0]), "b": [torch.tensor(3.0)]}
     b = {"w": torch.tensor([1.0, 2.0 + 5e-7]), "b": [torch.tensor(3.0)]}
