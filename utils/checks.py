@@ -48,9 +48,7 @@ def formula_check(condition, claim: str, detail: str = "") -> None:
     refute them, so they print no ✓ and do not read like evidence. Keep `check` (✓) for claims a run could
     have refuted.
     """
-    if not condition:
-        raise AssertionError(f"✗ formula check: {claim}" + (f": {detail}" if detail else ""))
-    print(f"formula check: {claim}")
+    _labelled("formula check", condition, claim, detail)
 
 
 def instrument_check(condition, claim: str, detail: str = "") -> None:
@@ -61,6 +59,11 @@ def instrument_check(condition, claim: str, detail: str = "") -> None:
     line makes the mechanism visible on the measured times, but it could fail only if the instrument (the timers,
     the trace, the launch plumbing) were broken, so it prints no ✓ and does not read like evidence.
     """
+    _labelled("instrument check", condition, claim, detail)
+
+
+def _labelled(label: str, condition, claim: str, detail: str) -> None:
+    """Print `label: claim` if `condition` holds, else raise AssertionError('✗ label: claim: detail')."""
     if not condition:
-        raise AssertionError(f"✗ instrument check: {claim}" + (f": {detail}" if detail else ""))
-    print(f"instrument check: {claim}")
+        raise AssertionError(f"✗ {label}: {claim}" + (f": {detail}" if detail else ""))
+    print(f"{label}: {claim}")
