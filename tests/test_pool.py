@@ -96,6 +96,16 @@ def test_ranks_option_runs_some_ranks_and_refuses_a_default_group_collective(she
     assert cell(shell, "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [4.0] * WORLD
 
 
+def test_batched_point_to_point_runs_in_a_pool_cell(shell, running):
+    # dist.P2POp checks its op against distributed_c10d's isend/irecv by identity: the pool's wrappers must pass it
+    ring = ("r, n = dist.get_rank(), dist.get_world_size()\n"
+            "out, got = torch.full((1,), float(r)), torch.zeros(1)\n"
+            "ops = [dist.P2POp(dist.isend, out, (r + 1) % n), dist.P2POp(dist.irecv, got, (r - 1) % n)]\n"
+            "for work in dist.batch_isend_irecv(ops):\n    work.wait()\n"
+            "got.item()")
+    assert cell(shell, ring) == [float((r - 1) % WORLD) for r in range(WORLD)]
+
+
 def test_get_returns_what_can_travel_from_a_ddp_module(shell, running, capfd):
     cell(shell, "torch.manual_seed(0)\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))")
     capfd.readouterr()

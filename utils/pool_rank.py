@@ -220,6 +220,7 @@ def _count_collectives(state, world_size):
 
         return counted
 
+    c10d = dist.distributed_c10d
     for names, point_to_point in ((_COLLECTIVES, False), (_POINT_TO_POINT, True)):
         for name in names:
             fn = getattr(dist, name, None)
@@ -227,6 +228,10 @@ def _count_collectives(state, world_size):
                 wrapped = wrap(name, fn, point_to_point)
                 wrapped._pool_counted = True
                 setattr(dist, name, wrapped)
+                # dist.P2POp (used by batch_isend_irecv) accepts only distributed_c10d's own isend/irecv, by
+                # identity: the wrapper must stand there too, or a ring built on P2POp fails in a pool cell
+                if name in ("isend", "irecv") and getattr(c10d, name, None) is fn:
+                    setattr(c10d, name, wrapped)
 
 
 def _refuse(name, arguments, ranks, world_size, point_to_point):
