@@ -49,6 +49,6 @@ The package, one concept per module: `link` (the schedule and the operations), `
 memory), `futures` (futures for hooks, and the hook).
 """
 from .futures import allreduce_hook
-from .link import HostCost, SimulatedLink, SimWork, all_gather_messages, ring_messages
+from .link import HostCost, SimulatedLink, SimWork, all_gather_messages, rank_quantile, ring_messages
 
-__all__ = ["SimulatedLink", "SimWork", "HostCost", "ring_messages", "all_gather_messages", "allreduce_hook"]
+__all__ = ["SimulatedLink", "SimWork", "HostCost", "ring_messages", "all_gather_messages", "allreduce_hook", "rank_quantile"]

@@ -22,7 +22,7 @@ from ..devices import device
 from . import table as _table
 from .futures import FutureCompletion, fine_sleep
 
-__all__ = ["SimulatedLink", "SimWork", "HostCost", "ring_messages", "all_gather_messages"]
+__all__ = ["SimulatedLink", "SimWork", "HostCost", "ring_messages", "all_gather_messages", "rank_quantile"]
 
 
 def ring_messages(nbytes: float, world_size: int) -> list:
@@ -77,6 +77,12 @@ class SimWork:
 
     def get_future(self) -> torch.futures.Future:
         return self._link._future_of(self)
+
+
+def rank_quantile(xs, q: float) -> float:
+    """The q-quantile as HostCost takes it: the value at rank ⌊q·n⌋ of the n sorted samples (no interpolation)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 class HostCost(NamedTuple):
@@ -199,9 +205,8 @@ class SimulatedLink(FutureCompletion):
         mine = torch.tensor(late, dtype=torch.float64, device=device())
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(everyone, mine, group=self.group)
-        xs = sorted(torch.cat(everyone).tolist())
-        rank_of = [xs[min(len(xs) - 1, int(q * len(xs)))] for q in (0.75, 0.9)]
-        return HostCost(statistics.median(xs), *rank_of, self.alpha, len(xs))
+        xs = torch.cat(everyone).tolist()
+        return HostCost(statistics.median(xs), rank_quantile(xs, 0.75), rank_quantile(xs, 0.9), self.alpha, len(xs))
 
     # ------------------------------------------------------------------ machinery
     def _check_tensor(self, name, tensor):
